@@ -1,0 +1,33 @@
+# Set-up and the main jobs on a fresh machine. Everything installs into $(VENV).
+VENV ?= .venv
+PYTHON ?= python3
+# The CPU build of torch; on a GPU machine use e.g. TORCH_SPEC='torch' (a CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tritonopt-installed
+
+.PHONY: install test test-all demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test,perf,demo]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+test-all: install
+	$(PY) -m pytest -q -m "not gpu"
+
+demo: install
+	$(PY) perf/demo_digits.py
+
+bench: install
+	$(PY) perf/bench_ef_topk.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,167 @@
+"""Backend choice, autotune collapse, NVTX ranges, and importing without a GPU or Triton."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import triton_runs_here
+
+import tritonopt
+from tritonopt import _runtime
+from tritonopt.kernels import ef_topk as ef_topk_kernels
+
+
+def run_python(code: str, **env_changes) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env_changes}
+    env = {key: value for key, value in env.items() if value is not None}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_reference_is_forced_by_environment(monkeypatch):
+    monkeypatch.setenv("TRITONOPT_BACKEND", "reference")
+    assert tritonopt.select_backend(torch.device("cpu")) == "reference"
+    assert tritonopt.select_backend(torch.device("cuda")) == "reference"
+
+
+def test_unknown_backend_in_environment_is_named(monkeypatch):
+    monkeypatch.setenv("TRITONOPT_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="TRITONOPT_BACKEND='cuda'"):
+        tritonopt.select_backend(torch.device("cpu"))
+
+
+def test_use_backend_overrides_environment_and_restores(monkeypatch):
+    monkeypatch.setenv("TRITONOPT_BACKEND", "triton")
+    with tritonopt.use_backend("reference"):
+        assert tritonopt.select_backend(torch.device("cpu")) == "reference"
+        with tritonopt.use_backend("auto"):
+            monkeypatch.setenv("TRITONOPT_BACKEND", "reference")
+            assert tritonopt.select_backend(torch.device("cpu")) == "reference"
+        assert tritonopt.select_backend(torch.device("cpu")) == "reference"
+    with pytest.raises(ValueError, match="backend"):
+        with tritonopt.use_backend("fast"):
+            pass
+
+
+@pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
+def test_auto_picks_triton_where_it_runs(device):
+    assert tritonopt.select_backend(device) == "triton"
+
+
+def test_forced_triton_on_an_unsupported_device_fails_clearly():
+    with tritonopt.use_backend("triton"):
+        with pytest.raises(tritonopt.BackendUnavailableError, match="device type 'meta'"):
+            tritonopt.select_backend(torch.device("meta"))
+
+
+def test_forced_triton_without_interpreter_on_cpu_fails_clearly():
+    result = run_python(
+        """
+        import torch, tritonopt
+        assert tritonopt.select_backend(torch.device("cpu")) == "reference"
+        grad, error = torch.randn(2, 16), torch.zeros(2, 16)
+        tritonopt.ops.ef_topk(grad, error, 2)  # auto: the reference serves
+        with tritonopt.use_backend("triton"):
+            try:
+                tritonopt.ops.ef_topk(grad, error, 2)
+            except tritonopt.BackendUnavailableError as exc:
+                print("refused:", exc)
+        """,
+        TRITON_INTERPRET=None,
+        TRITONOPT_BACKEND=None,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "refused:" in result.stdout and "TRITON_INTERPRET=1" in result.stdout
+
+
+def test_import_and_ops_work_without_triton():
+    result = run_python(
+        """
+        import sys
+        class NoTriton:
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ImportError("triton is not installed")
+        sys.meta_path.insert(0, NoTriton())
+        import torch, tritonopt
+        from tritonopt import _runtime
+        assert not _runtime.HAS_TRITON
+        grad, error = torch.tensor([[3.0, -1.0, 2.0]]), torch.zeros(1, 3)
+        indices, values = tritonopt.ops.ef_topk(grad, error, 1)
+        assert indices.tolist() == [[0]] and values.tolist() == [[3.0]]
+        opt = tritonopt.optim.SparseAdaGrad([torch.nn.Parameter(torch.ones(3))], density=0.5)
+        with tritonopt.use_backend("triton"):
+            try:
+                tritonopt.ops.ef_topk(grad, error, 1)
+            except tritonopt.BackendUnavailableError as exc:
+                print("refused:", exc)
+        """,
+        TRITON_INTERPRET="1",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Triton is not importable" in result.stdout
+
+
+def test_import_queries_no_device():
+    result = run_python(
+        """
+        import torch, tritonopt
+        assert not torch.cuda.is_initialized()
+        print("clean")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "clean" in result.stdout
+
+
+@pytest.mark.skipif(not _runtime.HAS_TRITON, reason="needs Triton")
+def test_autotune_collapses_to_one_config_without_a_driver():
+    kernel = ef_topk_kernels._ef_topk_row_kernel
+    if _runtime.autotune_enabled():
+        assert len(kernel.configs) == len(ef_topk_kernels._ef_topk_configs())
+    else:
+        assert len(kernel.configs) == 1
+    assert "error_ptr" in kernel.restore_value  # the kernel updates error in place
+
+
+def test_autotune_switch_is_read_from_environment():
+    result = run_python(
+        """
+        from tritonopt import _runtime
+        print(_runtime.autotune_enabled())
+        """,
+        TRITONOPT_AUTOTUNE="0",
+        TRITON_INTERPRET=None,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_nvtx_range_is_a_context_manager_with_or_without_nvtx():
+    with tritonopt.nvtx_range("tritonopt/test/range"):
+        value = 1 + 1
+    assert value == 2
+    result = run_python(
+        """
+        import tritonopt
+        with tritonopt.nvtx_range("tritonopt/test/off"):
+            pass
+        print(tritonopt._runtime._nvtx_module())
+        """,
+        TRITONOPT_NVTX="0",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "None"
+
+
+def test_helpers():
+    assert [_runtime.next_power_of_2(n) for n in (0, 1, 2, 3, 4, 5, 4097)] == [1, 1, 2, 4, 4, 8, 8192]
+    assert _runtime.cdiv(10, 4) == 3 and _runtime.cdiv(8, 4) == 2
