@@ -1,0 +1,218 @@
+"""Blockwise Top-k with error feedback (EFCP, Modoranu et al. 2024, sec. 3.1 and Alg. 1).
+
+Math, per row ``b`` of ``[num_blocks, block_size]``::
+
+    a      = error[b] + grad[b]                    (fp32)
+    S      = the k positions of largest |a|, ties to the lower position
+    idx[b] = S in ascending order                  (int32, block-relative)
+    val[b] = a[idx[b]]                             (fp32)
+    error[b] = a with a[S] = 0                     (in place)
+
+so that ``densify(idx, val) + error_new == error_old + grad`` exactly.
+
+Ordering key. ``|a|`` is ranked through the bit pattern of ``abs(a)`` read as an
+int32, which is monotone in the magnitude for non-negative floats (``-0.0`` and
+``+0.0`` share the key 0). NaN (any sign or payload) gets the key just above
+``+inf``: non-finite entries rank above every finite one (NaN first, then
+``±inf``, by position among equals). They therefore leave the error buffer as
+early as the budget ``k`` allows and appear in ``val``.
+
+GPU design. One program owns one row. The k-th largest key ``tau`` is found by
+bisection on the integer key range (about 30 counting passes over the row, kept
+in registers when the row fits in one tile); then every entry with key > tau is
+selected, plus the first ``k - count(key > tau)`` entries equal to tau in index
+order (a prefix sum), and an exclusive prefix sum over the selection mask gives
+each selected entry its output slot, which keeps ``idx`` ascending and the
+result deterministic. Rows longer than one tile stream through tiles: the first
+pass writes ``a`` into ``error``, the counting passes re-read it (L2-resident),
+and the final pass carries prefix counts across tiles. ``tl.topk``/``tl.sort``
+are avoided: they are slow on large blocks and need power-of-two ``k``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
+
+# Largest row that stays in registers in one tile; longer rows are tiled.
+MAX_TILE = 8192
+# int32 bit pattern of +inf; NaN is ranked one above it.
+_INF_KEY = 0x7F800000
+_NAN_KEY = _INF_KEY + 1
+
+
+def _ef_topk_configs():
+    return [triton.Config({}, num_warps=w) for w in (8, 4, 16)]
+
+
+@jit
+def _magnitude_key(a):
+    key = tl.abs(a).to(tl.int32, bitcast=True)
+    return tl.where(a != a, 0x7F800001, key)
+
+
+@autotune(_ef_topk_configs, key=["BLOCK", "rows_bucket"], restore_value=["error_ptr"])
+@jit
+def _ef_topk_row_kernel(
+    grad_ptr,  # [num_blocks, block_size] fp32/fp16/bf16, contiguous
+    error_ptr,  # [num_blocks, block_size] fp32, updated in place
+    idx_ptr,  # [num_blocks, k] int32, output
+    val_ptr,  # [num_blocks, k] fp32, output
+    block_size,  # row length
+    k,  # entries kept per row, 1 <= k <= block_size
+    rows_bucket,  # next power of two of num_blocks: autotune key only
+    BLOCK: tl.constexpr,  # next power of two >= block_size
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    in_row = offs < block_size
+    base = row * block_size
+    g = tl.load(grad_ptr + base + offs, mask=in_row, other=0.0).to(tl.float32)
+    e = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
+    a = e + g
+    key = tl.where(in_row, _magnitude_key(a), -1)
+
+    # Invariant: count(key >= lo) >= k > count(key >= hi) = n_above_hi.
+    hi = tl.max(key, axis=0) + 1
+    lo = hi * 0
+    n_above_hi = hi * 0
+    while lo + 1 < hi:
+        mid = lo + (hi - lo) // 2
+        count = tl.sum((key >= mid).to(tl.int32), axis=0)
+        enough = count >= k
+        lo = tl.where(enough, mid, lo)
+        n_above_hi = tl.where(enough, n_above_hi, count)
+        hi = tl.where(enough, hi, mid)
+    tau = lo
+
+    at_tau = key == tau
+    rank_at_tau = tl.cumsum(at_tau.to(tl.int32), axis=0)
+    selected = (key > tau) | (at_tau & (rank_at_tau <= k - n_above_hi))
+    slot = tl.cumsum(selected.to(tl.int32), axis=0) - 1
+    out = row * k + slot
+    tl.store(idx_ptr + out, offs, mask=selected)
+    tl.store(val_ptr + out, a, mask=selected)
+    tl.store(error_ptr + base + offs, tl.where(selected, 0.0, a), mask=in_row)
+
+
+@autotune(_ef_topk_configs, key=["TILE", "NUM_TILES", "rows_bucket"], restore_value=["error_ptr"])
+@jit
+def _ef_topk_tiled_kernel(
+    grad_ptr,  # [num_blocks, block_size] fp32/fp16/bf16, contiguous
+    error_ptr,  # [num_blocks, block_size] fp32, updated in place (holds `a` mid-kernel)
+    idx_ptr,  # [num_blocks, k] int32, output
+    val_ptr,  # [num_blocks, k] fp32, output
+    block_size,  # row length, > TILE
+    k,  # entries kept per row
+    rows_bucket,  # autotune key only
+    TILE: tl.constexpr,  # elements per tile (power of two)
+    NUM_TILES: tl.constexpr,  # cdiv(block_size, TILE)
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * block_size
+    lanes = tl.arange(0, TILE)
+
+    # Pass 1: a = error + grad, written back into error; largest key.
+    max_key = tl.max(lanes * 0 - 1, axis=0)
+    for t in range(NUM_TILES):
+        offs = t * TILE + lanes
+        in_row = offs < block_size
+        g = tl.load(grad_ptr + base + offs, mask=in_row, other=0.0).to(tl.float32)
+        e = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
+        a = e + g
+        tl.store(error_ptr + base + offs, a, mask=in_row)
+        key = tl.where(in_row, _magnitude_key(a), -1)
+        max_key = tl.maximum(max_key, tl.max(key, axis=0))
+    tl.debug_barrier()  # make `a` visible to every thread of the program
+
+    hi = max_key + 1
+    lo = hi * 0
+    n_above_hi = hi * 0
+    while lo + 1 < hi:
+        mid = lo + (hi - lo) // 2
+        count = hi * 0
+        for t in range(NUM_TILES):
+            offs = t * TILE + lanes
+            in_row = offs < block_size
+            a = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
+            key = tl.where(in_row, _magnitude_key(a), -1)
+            count += tl.sum((key >= mid).to(tl.int32), axis=0)
+        enough = count >= k
+        lo = tl.where(enough, mid, lo)
+        n_above_hi = tl.where(enough, n_above_hi, count)
+        hi = tl.where(enough, hi, mid)
+    tau = lo
+    ties_wanted = k - n_above_hi
+
+    # Final pass: select, compact, and clear the selected entries of error.
+    ties_before = tau * 0
+    selected_before = tau * 0
+    tl.debug_barrier()
+    for t in range(NUM_TILES):
+        offs = t * TILE + lanes
+        in_row = offs < block_size
+        a = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
+        key = tl.where(in_row, _magnitude_key(a), -1)
+        at_tau = key == tau
+        rank_at_tau = ties_before + tl.cumsum(at_tau.to(tl.int32), axis=0)
+        selected = (key > tau) | (at_tau & (rank_at_tau <= ties_wanted))
+        slot = selected_before + tl.cumsum(selected.to(tl.int32), axis=0) - 1
+        out = row * k + slot
+        tl.store(idx_ptr + out, offs, mask=selected)
+        tl.store(val_ptr + out, a, mask=selected)
+        tl.store(error_ptr + base + offs, tl.where(selected, 0.0, a), mask=in_row)
+        ties_before += tl.sum(at_tau.to(tl.int32), axis=0)
+        selected_before += tl.sum(selected.to(tl.int32), axis=0)
+
+
+def ef_topk_triton(
+    grad: torch.Tensor, error: torch.Tensor, k: int, *, max_tile: int = MAX_TILE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the Triton kernel. Arguments must already be validated (see ``tritonopt.ops``).
+
+    ``max_tile`` (a power of two) is the longest row kept in registers; longer
+    rows take the tiled kernel.
+    """
+    num_blocks, block_size = grad.shape
+    indices = torch.empty((num_blocks, k), dtype=torch.int32, device=grad.device)
+    values = torch.empty((num_blocks, k), dtype=torch.float32, device=grad.device)
+    if num_blocks == 0:
+        return indices, values
+    rows_bucket = next_power_of_2(num_blocks)
+    with torch.cuda.device(grad.device) if grad.is_cuda else contextlib.nullcontext():
+        if block_size <= max_tile:
+            _ef_topk_row_kernel[(num_blocks,)](
+                grad, error, indices, values, block_size, k, rows_bucket,
+                BLOCK=next_power_of_2(block_size),
+            )
+        else:
+            _ef_topk_tiled_kernel[(num_blocks,)](
+                grad, error, indices, values, block_size, k, rows_bucket,
+                TILE=max_tile, NUM_TILES=cdiv(block_size, max_tile),
+            )
+    return indices, values
+
+
+def magnitude_key(a: torch.Tensor) -> torch.Tensor:
+    """The int32 ranking key of ``|a|`` used by both paths (NaN above ``inf``)."""
+    key = a.abs().view(torch.int32)
+    return torch.where(torch.isnan(a), torch.full_like(key, _NAN_KEY), key)
+
+
+def ef_topk_reference(
+    grad: torch.Tensor, error: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch blockwise Top-k with error feedback; same contract as the kernel."""
+    a = error + grad.to(torch.float32)
+    block_size = a.shape[1]
+    position = torch.arange(block_size, device=a.device, dtype=torch.int64)
+    # Larger key first, then lower position: one int64 sort key makes the order total.
+    order = (magnitude_key(a).to(torch.int64) << 32) - position
+    top = torch.topk(order, k, dim=1, sorted=False).indices
+    indices = top.sort(dim=1).values
+    values = a.gather(1, indices)
+    error.copy_(a.scatter(1, indices, 0.0))
+    return indices.to(torch.int32), values
