@@ -1,0 +1,63 @@
+"""Packing a parameter group into one zero-padded ``[num_blocks, block_size]`` buffer.
+
+Blockwise compressors see a group's parameters as one vector: the parameters,
+flattened in group order, laid end to end, and cut into blocks of
+``block_size``; the last block is zero-padded. Padding never maps back to a
+parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tritonopt._runtime import cdiv
+
+
+class BlockLayout:
+    """Where each tensor of ``tensors`` lives in a padded ``[num_blocks, block_size]`` buffer.
+
+    ``block_size`` is capped at the total element count, so a group smaller
+    than one block is a single unpadded block.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], block_size: int):
+        if not tensors:
+            raise ValueError("a block layout needs at least one tensor")
+        self.tensors = tuple(tensors)
+        self.numels = tuple(t.numel() for t in self.tensors)
+        self.total = sum(self.numels)
+        if self.total == 0:
+            raise ValueError("a block layout needs at least one element")
+        self.block_size = min(block_size, self.total)
+        self.num_blocks = cdiv(self.total, self.block_size)
+        self.device = self.tensors[0].device
+        offsets, start = [], 0
+        for n in self.numels:
+            offsets.append(start)
+            start += n
+        self.offsets = tuple(offsets)
+
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        return len(tensors) == len(self.tensors) and all(
+            a is b for a, b in zip(tensors, self.tensors)
+        )
+
+    def zeros(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros((self.num_blocks, self.block_size), dtype=dtype, device=self.device)
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``buffer`` shaped like each tensor of the layout."""
+        flat = buffer.view(-1)
+        return [
+            flat[start : start + n].view(t.shape)
+            for start, n, t in zip(self.offsets, self.numels, self.tensors)
+        ]
+
+    def pack(self, sources: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+        """Copy ``sources`` (shaped like the layout's tensors) into ``buffer``; padding is untouched."""
+        flat = [s.reshape(-1) for s in sources]
+        if any(s.dtype != buffer.dtype for s in flat):
+            flat = [s.to(buffer.dtype) for s in flat]
+        torch.cat(flat, out=buffer.view(-1)[: self.total])
