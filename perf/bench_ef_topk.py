@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import sys
 from pathlib import Path
 from typing import Callable
@@ -49,6 +48,7 @@ import torch
 import _bench_common as bench
 from tritonopt._runtime import HAS_TRITON, nvtx_range
 from tritonopt.kernels.ef_topk import ef_topk_reference, ef_topk_triton
+from tritonopt.optim._blocks import kept_per_block
 
 OP = "ef_topk"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -84,14 +84,6 @@ def torch_composite(
 
 
 # --------------------------------------------------------------------------- shapes
-
-
-def keep_count(block_size: int, density: float) -> int:
-    """k = ceil(density * block_size), within [1, block_size].
-
-    The small slack absorbs float rounding (0.07 * 100 is 7.000000000000001).
-    """
-    return min(block_size, max(1, math.ceil(density * block_size - 1e-9)))
 
 
 def sweep_shapes(block_sizes: list[int], max_elements_log2: int) -> list[tuple[int, int]]:
@@ -292,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, object]] = []
     for num_blocks, block_size in shapes:
-        k = keep_count(block_size, args.density)
+        k = kept_per_block(args.density, None, block_size)
         rows += measure_shape(
             num_blocks, block_size, k, dtype, device, providers,
             bandwidth_gbps=bandwidth, cpu_reps=cpu_reps, use_nvtx=args.nvtx,

@@ -11,7 +11,7 @@ from conftest import triton_runs_here
 
 import tritonopt
 from tritonopt.optim import SparseAdaGrad, optimizer_state_bytes
-from tritonopt.optim.sparse_adagrad import kept_per_block
+from tritonopt.optim._blocks import kept_per_block
 
 needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 

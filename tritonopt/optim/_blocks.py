@@ -8,7 +8,8 @@ parameter.
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import torch
 
@@ -61,3 +62,11 @@ class BlockLayout:
         if any(s.dtype != buffer.dtype for s in flat):
             flat = [s.to(buffer.dtype) for s in flat]
         torch.cat(flat, out=buffer.view(-1)[: self.total])
+
+
+def kept_per_block(density: Optional[float], k: Optional[int], block_size: int) -> int:
+    """Entries kept per block: ``k`` capped at the block, or ``ceil(density * block_size)``."""
+    if k is not None:
+        return min(k, block_size)
+    # round() first so that e.g. 0.07 * 100 = 7.000000000000001 keeps 7, not 8.
+    return max(1, math.ceil(round(density * block_size, 9)))

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from tritonopt._runtime import nvtx_range
 from tritonopt.ops import ef_topk
-from tritonopt.optim._blocks import BlockLayout
+from tritonopt.optim._blocks import BlockLayout, kept_per_block
 
 _NONFINITE_POLICIES = ("skip", "raise")
 _FLOAT32_STATE = ("error", "sum_sq")
@@ -50,14 +50,6 @@ def _check_hyperparameters(group: dict) -> None:
             raise ValueError(f"k must be an int with 1 <= k <= block_size={block_size}, got {k!r}")
     elif not (isinstance(density, (int, float)) and 0 < density <= 1):
         raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-
-
-def kept_per_block(density: Optional[float], k: Optional[int], block_size: int) -> int:
-    """Entries kept per block: ``k`` capped at the block, or ``ceil(density * block_size)``."""
-    if k is not None:
-        return min(k, block_size)
-    # round() first so that e.g. 0.07 * 100 = 7.000000000000001 keeps 7, not 8.
-    return max(1, math.ceil(round(density * block_size, 9)))
 
 
 class SparseAdaGrad(Optimizer):
