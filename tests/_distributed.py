@@ -7,6 +7,7 @@ returns their results; the tests then assert on those results in the parent.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -24,6 +25,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _to_bytes(value: Any) -> bytes:
+    # Tensors put on an mp queue travel as shared-memory handles that vanish
+    # when the sending process exits before the parent reads them; bytes do not.
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
 def _worker(rank, world_size, port, fn, args, results):
     torch.set_num_threads(1)
     os.environ.setdefault("TRITON_INTERPRET", "1" if not torch.cuda.is_available() else "0")
@@ -35,7 +48,7 @@ def _worker(rank, world_size, port, fn, args, results):
             world_size=world_size,
         )
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            results.put((rank, "ok", _to_bytes(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report the failure to the parent instead of hanging it
@@ -66,7 +79,7 @@ def run_on_ranks(
         for _ in range(world_size):
             rank, status, value = results.get(timeout=timeout)
             if status == "ok":
-                outputs[rank] = value
+                outputs[rank] = _from_bytes(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break
