@@ -1,6 +1,17 @@
 """``torch.optim``-style optimizers built on tritonopt's ops."""
 
 from tritonopt.optim._accounting import optimizer_state_bytes
+from tritonopt.optim.ggt import GGT, SparseGGT
+from tritonopt.optim.lowrank_mfac import LowRankMFAC
+from tritonopt.optim.mfac import MFAC, SparseMFAC
 from tritonopt.optim.sparse_adagrad import SparseAdaGrad
 
-__all__ = ["SparseAdaGrad", "optimizer_state_bytes"]
+__all__ = [
+    "GGT",
+    "LowRankMFAC",
+    "MFAC",
+    "SparseAdaGrad",
+    "SparseGGT",
+    "SparseMFAC",
+    "optimizer_state_bytes",
+]

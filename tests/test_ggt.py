@@ -1,0 +1,160 @@
+"""GGT against a dense d x d eigendecomposition; S-GGT at full density equals GGT."""
+
+import io
+import math
+
+import pytest
+import torch
+from conftest import triton_runs_here
+
+import tritonopt
+from tritonopt.optim.ggt import GGT, SparseGGT
+
+needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
+BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
+SHAPES = [(4, 6), (5,)]  # 29 elements
+
+
+def make_params(shapes, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def gradient_stream(shapes, steps, seed=1, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(steps)]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone().to(p.dtype)
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def dense_ggt(rows, x, eps):
+    """((sum_i g_i g_i^T)^{1/2} + eps I)^{-1} x through an eigh of the d x d matrix, float64."""
+    d = x.numel()
+    outer = sum((torch.outer(g, g) for g in rows), torch.zeros(d, d, dtype=torch.float64))
+    lam, vec = torch.linalg.eigh(outer)
+    root = vec @ torch.diag(lam.clamp_min(0).sqrt()) @ vec.T
+    return torch.linalg.solve(root + eps * torch.eye(d, dtype=torch.float64), x)
+
+
+@pytest.mark.parametrize("eps", [1e-3, 0.1, 1.0])
+def test_ggt_step_matches_a_dense_eigendecomposition(eps):
+    m = 5
+    params = make_params(SHAPES, dtype=torch.float64)
+    opt = GGT(params, lr=1.0, ngrads=m, eps=eps)
+    history = []
+    for grads in gradient_stream(SHAPES, m + 4, dtype=torch.float64):  # wraps around
+        before = flat(params).detach().clone()
+        set_grads(params, grads)
+        opt.step()
+        g = flat(grads)
+        history.append(g)
+        expected = dense_ggt(history[-m:], g, eps)
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(before - flat(params).detach(), expected, rtol=1e-7, atol=1e-8 * scale)
+
+
+def test_ggt_with_rank_deficient_window():
+    # The same gradient three times: G G^T has rank 1; the zero directions must not blow up.
+    params = make_params([(12,)], dtype=torch.float64)
+    opt = GGT(params, lr=1.0, ngrads=4, eps=1e-2)
+    g = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        before = params[0].detach().clone()
+        set_grads(params, [g])
+        opt.step()
+    expected = dense_ggt([g, g, g], g, 1e-2)
+    torch.testing.assert_close(before - params[0].detach(), expected, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_ggt_at_full_density_is_ggt(backend):
+    hyper = dict(lr=0.01, ngrads=3, eps=0.5, momentum=0.5, weight_decay=0.1)
+    params_d, params_s = make_params(SHAPES), make_params(SHAPES)
+    dense = GGT(params_d, **hyper)
+    sparse = SparseGGT(params_s, density=1.0, block_size=8, **hyper)
+    with tritonopt.use_backend(backend):
+        for grads in gradient_stream(SHAPES, 6):
+            set_grads(params_d, grads)
+            set_grads(params_s, grads)
+            dense.step()
+            sparse.step()
+            for pd, ps in zip(params_d, params_s):
+                torch.testing.assert_close(ps, pd, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_ggt_preconditions_the_compressed_accumulator():
+    m, eps, k, block = 3, 0.3, 2, 8
+    params = make_params([(16,)])
+    opt = SparseGGT(params, lr=1.0, ngrads=m, eps=eps, density=k / block, block_size=block)
+    error, rows = torch.zeros(16), []
+    for grads in gradient_stream([(16,)], m + 2, seed=5):
+        before = params[0].detach().clone()
+        set_grads(params, grads)
+        opt.step()
+        a = error + grads[0]
+        c = torch.zeros(16)
+        for start in range(0, 16, block):
+            keep = torch.sort(-a[start : start + block].abs(), stable=True).indices[:k]
+            c[start + keep] = a[start + keep]
+        error = a - c
+        rows.append(c.double())
+        expected = dense_ggt(rows[-m:], c.double(), eps)
+        torch.testing.assert_close((before - params[0].detach()).double(), expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(opt.state[params[0]]["error"], error)
+
+
+def test_resumed_sparse_ggt_equals_uninterrupted_run():
+    hyper = dict(lr=0.01, ngrads=3, eps=0.5, density=0.25, block_size=8)
+    stream = gradient_stream(SHAPES, 8)
+    with tritonopt.use_backend("reference"):
+        params_a = make_params(SHAPES)
+        opt_a = SparseGGT(params_a, **hyper)
+        for grads in stream:
+            set_grads(params_a, grads)
+            opt_a.step()
+        params_b = make_params(SHAPES)
+        opt_b = SparseGGT(params_b, **hyper)
+        for grads in stream[:4]:
+            set_grads(params_b, grads)
+            opt_b.step()
+        buffer = io.BytesIO()
+        torch.save(opt_b.state_dict(), buffer)
+        buffer.seek(0)
+        opt_c = SparseGGT(params_b, **hyper)
+        opt_c.load_state_dict(torch.load(buffer))
+        for grads in stream[4:]:
+            set_grads(params_b, grads)
+            opt_c.step()
+    for pa, pb in zip(params_a, params_b):
+        assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, word",
+    [
+        (GGT, dict(eps=0.0), "eps"),
+        (GGT, dict(eps=math.nan), "eps"),
+        (GGT, dict(ngrads=0), "ngrads"),
+        (SparseGGT, dict(density=2.0), "density"),
+        (SparseGGT, dict(lr=-0.1), "lr"),
+    ],
+)
+def test_bad_hyperparameters_are_named(cls, kwargs, word):
+    with pytest.raises((ValueError, TypeError), match=word):
+        cls(make_params([(3,)]), **kwargs)
+
+
+def test_state_bytes():
+    params = make_params(SHAPES)  # 29 elements, blocks of 8: 4 blocks, k = 2
+    opt = SparseGGT(params, ngrads=3, density=0.25, block_size=8)
+    set_grads(params, gradient_stream(SHAPES, 1)[0])
+    with tritonopt.use_backend("reference"):
+        opt.step()
+    assert opt.state_bytes() == 4 * 3 * 2 * (4 + 4) + 4 * 32 + 8 * 9 + 4 * len(params)

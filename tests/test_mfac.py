@@ -1,0 +1,524 @@
+"""Dense M-FAC and S-MFAC: the IHVP against an explicit inverse, the literal recursion, the
+density-100 % reduction, backends, checkpoints and bad input."""
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import triton_runs_here
+
+import tritonopt
+from tritonopt._ops.sparse_ring import densify_ring
+from tritonopt.optim.ggt import SparseGGT
+from tritonopt.optim.mfac import MFAC, SparseMFAC
+from tritonopt.optim._mfac_core import mfac_coefficients
+
+needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
+BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
+SHAPES = [(5, 7), (3,), (2, 3, 4)]  # 62 elements
+
+
+def make_params(shapes, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def gradient_stream(shapes, steps, seed=1, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(steps)]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone().to(p.dtype)
+
+
+def run_steps(params, opt, stream):
+    for grads in stream:
+        set_grads(params, grads)
+        opt.step()
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+# --------------------------------------------------------------------------- the algebra
+
+
+def explicit_ihvp(window_rows, x, damp, m):
+    """solve(damp * I + (1/m) sum_i g_i g_i^T, x) with an explicit d x d matrix, float64."""
+    d = x.numel()
+    fisher = damp * torch.eye(d, dtype=torch.float64)
+    for g in window_rows:
+        fisher += torch.outer(g, g) / m
+    return torch.linalg.solve(fisher, x)
+
+
+@pytest.mark.parametrize("m", [4, 8])
+@pytest.mark.parametrize("damp", [1e-4, 1e-2, 1.0])
+def test_mfac_step_is_the_inverse_fisher_times_the_gradient(m, damp):
+    # lr = 1 and float64 parameters: theta_before - theta_after is the IHVP u itself.
+    shapes = [(6, 5), (4,)]
+    params = make_params(shapes, dtype=torch.float64)
+    opt = MFAC(params, lr=1.0, ngrads=m, damp=damp)
+    history = []
+    for step, grads in enumerate(gradient_stream(shapes, m + 7, dtype=torch.float64)):
+        before = flat(params).detach().clone()
+        set_grads(params, grads)
+        opt.step()
+        u = before - flat(params).detach()
+        g = flat(grads)
+        history.append(g)
+        expected = explicit_ihvp(history[-m:], g, damp, m)  # only the last m count, over m
+        torch.testing.assert_close(u, expected, rtol=1e-9, atol=1e-9 * float(expected.abs().max()))
+        if step == 1:
+            # Normalising by the number of rows written instead would be clearly different.
+            by_count = explicit_ihvp(history, g, damp, len(history))
+            assert float((by_count - expected).abs().max()) > 1e-6 * float(expected.abs().max())
+
+
+def test_repeated_and_zero_gradients():
+    params = make_params([(10,)], dtype=torch.float64)
+    opt = MFAC(params, lr=1.0, ngrads=4, damp=0.1)
+    g = torch.randn(10, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    history = []
+    for grads in ([g], [g], [torch.zeros(10, dtype=torch.float64)], [g]):
+        before = params[0].detach().clone()
+        set_grads(params, grads)
+        opt.step()
+        history.append(grads[0])
+        expected = explicit_ihvp(history, grads[0], 0.1, 4)
+        torch.testing.assert_close(before - params[0].detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+def literal_mfac_coefficients(window, x, damp):
+    """The dynamic algorithm of M-FAC as published: no-pivot LU, B recursion, forward substitution.
+
+    Written from the paper's description, in float64, independent of the Cholesky closed form.
+    """
+    m = window.shape[0]
+    inv_damp = 1.0 / damp
+    a = inv_damp * (window @ window.T) + m * torch.eye(m, dtype=torch.float64)
+    upper = a.clone()  # Gaussian elimination without pivoting
+    for i in range(m):
+        for r in range(i + 1, m):
+            upper[r] -= upper[r, i] / upper[i, i] * upper[i]
+    upper = torch.triu(upper)
+    giHig = torch.triu(upper - m * torch.eye(m, dtype=torch.float64))
+    denom = m + torch.diagonal(giHig)
+    tmp = -giHig.T / denom.view(1, -1)
+    coef = inv_damp * torch.eye(m, dtype=torch.float64)
+    for i in range(1, m):
+        coef[i, :i] = tmp[i, :i] @ coef[:i, :i]
+    q = inv_damp * (window @ x)
+    for i in range(1, m):
+        q[i:] -= giHig[i - 1, i:] * q[i - 1] / denom[i - 1]
+    return (q / denom) @ coef
+
+
+def naive_woodbury_inverse(window, damp):
+    """F_i^{-1} = F_{i-1}^{-1} - (F^{-1} g)(F^{-1} g)^T / (m + g^T F^{-1} g), F_0^{-1} = I / damp."""
+    m, d = window.shape
+    inverse = torch.eye(d, dtype=torch.float64) / damp
+    for g in window:
+        v = inverse @ g
+        inverse -= torch.outer(v, v) / (m + g @ v)
+    return inverse
+
+
+@pytest.mark.parametrize("damp", [1e-3, 0.1, 10.0])
+def test_literal_recursion_equals_the_closed_form(damp):
+    gen = torch.Generator().manual_seed(4)
+    m, d = 8, 40
+    window = torch.randn(m, d, generator=gen, dtype=torch.float64)
+    window[5] = 0  # a row not yet written
+    x = torch.randn(d, generator=gen, dtype=torch.float64)
+    closed = mfac_coefficients(window @ window.T, window @ x, damp)
+    literal = literal_mfac_coefficients(window, x, damp)
+    torch.testing.assert_close(closed, literal, rtol=1e-10, atol=1e-12 * float(literal.abs().max()))
+    ihvp = x / damp - closed @ window
+    torch.testing.assert_close(ihvp, naive_woodbury_inverse(window, damp) @ x, rtol=1e-9, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- S-MFAC
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_mfac_at_full_density_is_dense_mfac(backend):
+    m = 4
+    hyper = dict(lr=0.05, ngrads=m, damp=0.1, momentum=0.5, weight_decay=0.1)
+    params_d, params_s = make_params(SHAPES), make_params(SHAPES)
+    dense = MFAC(params_d, **hyper)
+    sparse = SparseMFAC(params_s, density=1.0, block_size=16, **hyper)
+    with tritonopt.use_backend(backend):
+        for grads in gradient_stream(SHAPES, m + 5):
+            set_grads(params_d, grads)
+            set_grads(params_s, grads)
+            dense.step()
+            sparse.step()
+            for pd, ps in zip(params_d, params_s):
+                torch.testing.assert_close(ps, pd, rtol=1e-5, atol=1e-5)
+                assert not bool(sparse.state[ps]["error"].any())
+    torch.testing.assert_close(
+        sparse.state[params_s[0]]["dots"], dense.state[params_d[0]]["dots"], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_sparse_mfac_preconditions_the_compressed_accumulator():
+    """One oracle step: EF + blockwise Top-k (ties to the lower position), then the explicit inverse."""
+    m, damp, k, block = 3, 0.2, 2, 8
+    params = make_params([(20,)])
+    opt = SparseMFAC(params, lr=1.0, ngrads=m, damp=damp, density=k / block, block_size=block)
+    error = torch.zeros(24)
+    rows = []
+    for grads in gradient_stream([(20,)], m + 2, seed=5):
+        before = params[0].detach().clone()
+        set_grads(params, grads)
+        opt.step()
+        a = error.clone()
+        a[:20] += grads[0]
+        c = torch.zeros(24)
+        for start in range(0, 24, block):
+            blk = a[start : start + block]
+            keep = torch.sort(-blk.abs(), stable=True).indices[:k]
+            c[start + keep] = blk[keep]
+        error = a - c
+        rows.append(c.double())
+        expected = explicit_ihvp(rows[-m:], c.double(), damp, m)[:20]
+        torch.testing.assert_close((before - params[0].detach()).double(), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(opt.state[params[0]]["error"], error[:20], rtol=0, atol=0)
+
+
+def test_error_feedback_invariant_holds_bitwise():
+    params = make_params(SHAPES)
+    opt = SparseMFAC(params, lr=0.01, ngrads=3, damp=0.1, density=0.25, block_size=16)
+    for grads in gradient_stream(SHAPES, 5):
+        error_before = flat([opt.state[p]["error"] for p in params]) if opt.state else torch.zeros(62)
+        set_grads(params, grads)
+        opt.step()
+        ring = opt.state[params[0]]
+        slot = (ring["ring_slot"] - 1) % 3
+        row = densify_ring(ring["ring_indices"], ring["ring_values"], 16)[slot][:62]
+        error_after = flat([opt.state[p]["error"] for p in params])
+        assert torch.equal(row + error_after, error_before + flat(grads))
+
+
+def test_without_error_feedback_the_error_stays_zero_and_the_steps_differ():
+    hyper = dict(lr=0.05, ngrads=4, damp=0.1, density=0.1, block_size=16)
+    params_ef, params_plain = make_params(SHAPES), make_params(SHAPES)
+    with_ef = SparseMFAC(params_ef, **hyper)
+    plain = SparseMFAC(params_plain, error_feedback=False, **hyper)
+    stream = gradient_stream(SHAPES, 4)
+    run_steps(params_ef, with_ef, stream)
+    run_steps(params_plain, plain, stream)
+    assert all(not bool(plain.state[p]["error"].any()) for p in params_plain)
+    assert not torch.allclose(flat(params_ef), flat(params_plain))
+
+
+@needs_triton
+def test_triton_and_reference_paths_agree_step_by_step():
+    hyper = dict(lr=0.05, ngrads=4, damp=0.1, density=0.2, block_size=16, momentum=0.9)
+    params_t, params_r = make_params(SHAPES), make_params(SHAPES)
+    opt_t, opt_r = SparseMFAC(params_t, **hyper), SparseMFAC(params_r, **hyper)
+    for grads in gradient_stream(SHAPES, 7):
+        set_grads(params_t, grads)
+        set_grads(params_r, grads)
+        with tritonopt.use_backend("triton"):
+            opt_t.step()
+        with tritonopt.use_backend("reference"):
+            opt_r.step()
+        for pt, pr in zip(params_t, params_r):
+            torch.testing.assert_close(pt, pr, rtol=1e-5, atol=1e-6)
+            for name in ("error", "momentum_buffer"):
+                torch.testing.assert_close(opt_t.state[pt][name], opt_r.state[pr][name], rtol=1e-5, atol=1e-6)
+        ring_t, ring_r = opt_t.state[params_t[0]], opt_r.state[params_r[0]]
+        assert torch.equal(ring_t["ring_indices"], ring_r["ring_indices"])
+        torch.testing.assert_close(ring_t["ring_values"], ring_r["ring_values"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ring_t["dots"], ring_r["dots"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "cls, hyper",
+    [
+        (MFAC, dict(lr=0.05, ngrads=4, damp=0.1, momentum=0.5, weight_decay=0.01)),
+        (SparseMFAC, dict(lr=0.05, ngrads=4, damp=0.1, density=0.25, block_size=16, momentum=0.5)),
+        (SparseMFAC, dict(lr=0.05, ngrads=3, damp=0.1, density=0.25, block_size=16,
+                          values_dtype=torch.bfloat16)),
+    ],
+    ids=["mfac", "sparse", "sparse-bf16-values"],
+)
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_resumed_run_equals_uninterrupted_run(cls, hyper, param_dtype):
+    with tritonopt.use_backend("reference"):  # checkpoint logic; the backends are compared above
+        resumed_run_equals_uninterrupted_run(cls, hyper, param_dtype)
+
+
+def resumed_run_equals_uninterrupted_run(cls, hyper, param_dtype):
+    stream = gradient_stream(SHAPES, 10)  # 10 > ngrads: the ring wraps after the resume
+    params_a = make_params(SHAPES, dtype=param_dtype)
+    opt_a = cls(params_a, **hyper)
+    run_steps(params_a, opt_a, stream)
+
+    params_b = make_params(SHAPES, dtype=param_dtype)
+    opt_b = cls(params_b, **hyper)
+    run_steps(params_b, opt_b, stream[:5])
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params_b], "optim": opt_b.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    params_c = [torch.nn.Parameter(t.clone()) for t in checkpoint["params"]]
+    opt_c = cls(params_c, **hyper)
+    opt_c.load_state_dict(checkpoint["optim"])
+    assert opt_c.state[params_c[0]]["dots"].dtype == torch.float64
+    run_steps(params_c, opt_c, stream[5:])
+    for pa, pc in zip(params_a, params_c):
+        assert torch.equal(pa, pc)
+        for name, value in opt_a.state[pa].items():
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == opt_c.state[pc][name].dtype, name
+                assert torch.equal(value, opt_c.state[pc][name]), name
+            else:
+                assert value == opt_c.state[pc][name], name
+
+
+def test_parameters_without_grad_keep_their_value_and_state():
+    params = make_params(SHAPES)
+    opt = SparseMFAC(params, lr=0.1, ngrads=3, damp=0.1, density=0.25, block_size=16, momentum=0.5)
+    stream = gradient_stream(SHAPES, 6)
+    run_steps(params, opt, stream[:2])
+    frozen = params[1].detach().clone()
+    frozen_state = {n: opt.state[params[1]][n].clone() for n in ("error", "momentum_buffer", "step")}
+    for grads in stream[2:]:
+        set_grads(params, [grads[0], None, grads[2]])
+        opt.step()
+    assert torch.equal(params[1].detach(), frozen)
+    for name, value in frozen_state.items():
+        assert torch.equal(opt.state[params[1]][name], value), name
+    assert int(opt.state[params[0]]["step"]) == 6
+    # The frozen parameter's coordinates of the stored rows are zero.
+    ring = opt.state[params[0]]
+    rows = densify_ring(ring["ring_indices"], ring["ring_values"], 16)
+    assert not bool(rows[:, 35:38].any())
+
+
+@pytest.mark.parametrize("cls", [MFAC, SparseMFAC])
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_nonfinite_gradient_changes_nothing(cls, policy):
+    params = make_params(SHAPES)
+    opt = cls(params, lr=0.1, ngrads=3, damp=0.1, momentum=0.5, on_nonfinite=policy)
+    run_steps(params, opt, gradient_stream(SHAPES, 2))
+    before = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for p in params]
+    bad = gradient_stream(SHAPES, 1, seed=9)[0]
+    bad[2][0, 1, 2] = math.nan if policy == "skip" else -math.inf
+    set_grads(params, bad)
+    if policy == "skip":
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            opt.step()
+        assert opt.skipped_steps == 1
+    else:
+        with pytest.raises(FloatingPointError, match="NaN or inf"):
+            opt.step()
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    after = opt.state_dict()
+    for key, state in before["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(after["state"][key][name], value), name
+            else:
+                assert after["state"][key][name] == value
+    set_grads(params, gradient_stream(SHAPES, 1, seed=3)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, word",
+    [
+        (MFAC, dict(lr=-1.0), "lr"),
+        (MFAC, dict(lr=torch.tensor(0.1)), "lr"),
+        (MFAC, dict(damp=0.0), "damp"),
+        (MFAC, dict(damp=math.inf), "damp"),
+        (MFAC, dict(ngrads=0), "ngrads"),
+        (MFAC, dict(ngrads=2.0), "ngrads"),
+        (MFAC, dict(momentum=1.0), "momentum"),
+        (MFAC, dict(weight_decay=-1.0), "weight_decay"),
+        (MFAC, dict(on_nonfinite="ignore"), "on_nonfinite"),
+        (SparseMFAC, dict(density=0.0), "density"),
+        (SparseMFAC, dict(density=1.5), "density"),
+        (SparseMFAC, dict(block_size=0), "block_size"),
+        (SparseMFAC, dict(error_feedback=1), "error_feedback"),
+        (SparseMFAC, dict(values_dtype=torch.float16), "values_dtype"),
+    ],
+)
+def test_bad_hyperparameters_are_named(cls, kwargs, word):
+    with pytest.raises((ValueError, TypeError), match=word):
+        cls(make_params([(3,)]), **kwargs)
+
+
+def test_bad_param_group_is_named():
+    opt = SparseMFAC(make_params([(3,)]))
+    with pytest.raises(ValueError, match="density"):
+        opt.add_param_group({"params": make_params([(2,)]), "density": 2.0})
+
+
+def test_complex_and_sparse_gradients_are_rejected_before_anything_changes():
+    with pytest.raises(ValueError, match="complex"):
+        MFAC([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    dense = torch.nn.Parameter(torch.ones(3))
+    opt = SparseMFAC([dense, embedding.weight], density=0.5)
+    weight_before = embedding.weight.detach().clone()
+    dense.grad = torch.ones(3)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+    assert torch.equal(dense.detach(), torch.ones(3))
+    assert torch.equal(embedding.weight.detach(), weight_before)
+    assert not opt.state[dense]
+
+
+def test_param_groups_use_their_own_hyperparameters():
+    first, second = make_params([(12,)], seed=1), make_params([(20,)], seed=2)
+    opt = SparseMFAC(
+        [{"params": first}, {"params": second, "lr": 0.0, "ngrads": 2}],
+        lr=0.1, ngrads=3, damp=0.1, density=0.5, block_size=8,
+    )
+    before = second[0].detach().clone()
+    run_steps(first + second, opt, gradient_stream([(12,), (20,)], 3))
+    assert torch.equal(second[0].detach(), before)
+    assert opt.state[first[0]]["dots"].shape == (3, 3)
+    assert opt.state[second[0]]["dots"].shape == (2, 2)
+
+
+def test_closure_is_evaluated_with_grad_enabled():
+    params = make_params([(4,)])
+    opt = MFAC(params, lr=0.1, ngrads=2, damp=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (params[0] ** 2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() > 0
+
+
+def test_state_bytes_follow_the_layout():
+    m = 4
+    params = make_params(SHAPES)  # 62 elements, blocks of 16: 4 blocks, k = 4
+    sparse = SparseMFAC(params, lr=0.1, ngrads=m, damp=0.1, density=0.25, block_size=16)
+    run_steps(params, sparse, gradient_stream(SHAPES, 1))
+    steps = 4 * len(params)
+    assert sparse.state_bytes() == 4 * m * 4 * (4 + 4) + 4 * 64 + 8 * m * m + steps
+    params_d = make_params(SHAPES)
+    dense = MFAC(params_d, lr=0.1, ngrads=m, damp=0.1)
+    run_steps(params_d, dense, gradient_stream(SHAPES, 1))
+    assert dense.state_bytes() == 4 * m * 62 + 8 * m * m + steps
+
+
+def test_trains_a_small_regression():
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    y = x @ torch.randn(8, 1)
+    for opt_cls, kw in ((MFAC, {}), (SparseMFAC, dict(density=0.5, block_size=8))):
+        with tritonopt.use_backend("reference"):
+            losses = train_regression(opt_cls, kw, x, y)
+        assert losses[-1] < 1e-3 * losses[0], opt_cls.__name__
+
+
+def train_regression(opt_cls, kw, x, y):
+    model = torch.nn.Linear(8, 1)
+    opt = opt_cls(model.parameters(), lr=0.2, ngrads=8, damp=1.0, **kw)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_mfac_matches_reference_at_size():
+    torch.manual_seed(0)
+    shapes = [(1024, 1024), (1024,)]
+    hyper = dict(lr=1e-3, ngrads=64, damp=1e-4, density=0.01, block_size=16384)
+    params_t = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    params_r = [torch.nn.Parameter(p.detach().clone()) for p in params_t]
+    opt_t, opt_r = SparseMFAC(params_t, **hyper), SparseMFAC(params_r, **hyper)
+    for _ in range(70):
+        grads = [torch.randn(s, device="cuda") for s in shapes]
+        set_grads(params_t, grads)
+        set_grads(params_r, grads)
+        with tritonopt.use_backend("triton"):
+            opt_t.step()
+        with tritonopt.use_backend("reference"):
+            opt_r.step()
+    for pt, pr in zip(params_t, params_r):
+        torch.testing.assert_close(pt, pr, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cls", [SparseMFAC, SparseGGT])
+def test_bf16_values_keep_dots_the_gram_matrix_of_the_stored_rows(backend, cls):
+    # Nearly collinear gradients and a tiny damp: dots must be the (PSD) Gram matrix of
+    # the rows the ring holds, or the Cholesky factorisation fails.
+    hyper = dict(damp=1e-6) if cls is SparseMFAC else dict(eps=1e-3)
+    params = make_params([(256,)])
+    opt = cls(params, lr=1e-3, ngrads=8, density=0.25, block_size=64,
+              values_dtype=torch.bfloat16, **hyper)
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(256, generator=gen)
+    with tritonopt.use_backend(backend):
+        for _ in range(10):
+            error_before = opt.state[params[0]]["error"].clone() if opt.state else torch.zeros(256)
+            g = base + 1e-3 * torch.randn(256, generator=gen)
+            set_grads(params, [g])
+            opt.step()
+            ring = opt.state[params[0]]
+            stored = densify_ring(ring["ring_indices"], ring["ring_values"], 64)
+            slot = (ring["ring_slot"] - 1) % 8
+            # The bf16 rounding residual is fed back: a == stored row + e, bitwise.
+            assert torch.equal(stored[slot] + ring["error"], error_before + g)
+    gram = stored.double() @ stored.double().T
+    torch.testing.assert_close(ring["dots"], gram, rtol=1e-5, atol=1e-5 * float(gram.abs().max()))
+    assert bool(torch.isfinite(params[0]).all())
+
+
+@pytest.mark.parametrize(
+    "cls, hyper",
+    [(SparseMFAC, dict(density=0.5, block_size=8)), (MFAC, {})],
+    ids=["sparse", "dense-mixed-group"],
+)
+def test_float64_parameters_keep_their_precision(cls, hyper):
+    # The update is computed in float32 here; a float64 parameter must not be rounded to it.
+    wide = torch.nn.Parameter(torch.tensor([1.0 + 1e-12, 2.0 - 1e-13, 3.0], dtype=torch.float64))
+    narrow = torch.nn.Parameter(torch.zeros(3))
+    opt = cls([wide, narrow], lr=0.0, ngrads=2, damp=0.1, **hyper)
+    before = wide.detach().clone()
+    for _ in range(2):
+        set_grads([wide, narrow], [torch.ones(3, dtype=torch.float64), torch.ones(3)])
+        opt.step()
+    assert torch.equal(wide.detach(), before)
+
+
+def test_rejected_param_group_leaves_the_optimizer_unchanged():
+    params = make_params([(6,)])
+    opt = SparseMFAC(params, lr=0.1, ngrads=2, damp=0.1, density=0.5, block_size=8)
+    extra = make_params([(2,)])
+    for bad in ({"density": 2.0}, {"lr": -1.0}):
+        with pytest.raises(ValueError):
+            opt.add_param_group({"params": extra, **bad})
+        assert len(opt.param_groups) == 1
+    set_grads(params, gradient_stream([(6,)], 1)[0])
+    opt.step()  # the rejected groups are not stepped
+    opt.add_param_group({"params": extra})  # and their parameters can still be added
+    assert len(opt.param_groups) == 2

@@ -1,0 +1,312 @@
+"""Sparse ring buffer ops (SP, LCG, insertion) against the densified buffer in float64."""
+
+import pytest
+import torch
+from conftest import triton_runs_here
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tritonopt
+from tritonopt._ops.sparse_ring import densify_ring, sparse_lcg, sparse_ring_insert, sparse_sp
+from tritonopt.ops import ef_topk
+
+needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
+BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
+
+
+def random_ring(num_blocks, m, k, block_size, filled, values_dtype=torch.float32, seed=0):
+    """A buffer whose first ``filled`` rows hold distinct random positions per block; the rest are zero."""
+    gen = torch.Generator().manual_seed(seed)
+    indices = torch.zeros((num_blocks, m, k), dtype=torch.int32)
+    values = torch.zeros((num_blocks, m, k))
+    for b in range(num_blocks):
+        for r in range(filled):
+            indices[b, r] = torch.randperm(block_size, generator=gen)[:k].sort().values.int()
+            values[b, r] = torch.randn(k, generator=gen)
+    return indices, values.to(values_dtype)
+
+
+def dense_oracle(indices, values, block_size):
+    """Row r of G written out entry by entry in float64 (independent of densify_ring)."""
+    num_blocks, m, k = indices.shape
+    dense = torch.zeros((m, num_blocks * block_size), dtype=torch.float64)
+    for b in range(num_blocks):
+        for r in range(m):
+            for j in range(k):
+                dense[r, b * block_size + int(indices[b, r, j])] += float(values[b, r, j])
+    return dense
+
+
+ring_cases = st.tuples(
+    st.integers(1, 3),  # num_blocks
+    st.integers(1, 5),  # m
+    st.integers(1, 20),  # block_size
+    st.floats(0.0, 1.0),  # fraction kept
+    st.floats(0.0, 1.0),  # fraction of rows filled
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.integers(0, 2**16),
+)
+
+
+def unpack(case):
+    num_blocks, m, block_size, keep, fill, dtype, seed = case
+    k = max(1, round(keep * block_size))
+    filled = round(fill * m)
+    return num_blocks, m, k, block_size, filled, dtype, seed
+
+
+def tolerance(values):
+    # fp32 accumulation in any order (the GPU's reduction tree differs from the CPU's)
+    return dict(rtol=1e-5, atol=1e-5 * max(1.0, float(values.float().abs().sum())))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=15)
+@given(case=ring_cases)
+def test_sp_and_lcg_match_the_dense_buffer(backend, case):
+    num_blocks, m, k, block_size, filled, dtype, seed = unpack(case)
+    indices, values = random_ring(num_blocks, m, k, block_size, filled, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn((num_blocks, block_size), generator=gen)
+    w = torch.randn(m, generator=gen)
+    dense = dense_oracle(indices, values, block_size)
+    with tritonopt.use_backend(backend):
+        products = sparse_sp(indices, values, x)
+        combination = sparse_lcg(indices, values, w, block_size)
+    assert products.dtype == torch.float32 and products.shape == (m,)
+    assert combination.dtype == torch.float32 and combination.shape == (num_blocks, block_size)
+    torch.testing.assert_close(products.double(), dense @ x.double().view(-1), **tolerance(values))
+    torch.testing.assert_close(
+        combination.double().view(-1), w.double() @ dense, **tolerance(values)
+    )
+    # Rows never written contribute nothing, whatever their weight.
+    assert not bool(products[filled:].any())
+    w_unfilled = w.clone()
+    w_unfilled[:filled] = 0
+    with tritonopt.use_backend(backend):
+        assert not bool(sparse_lcg(indices, values, w_unfilled, block_size).any())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_from_ef_topk_with_a_padded_last_block(backend):
+    # 50 entries in blocks of 16: the last block is padded with zeros, as BlockLayout does.
+    num_blocks, block_size, k, m = 4, 16, 3, 4
+    gen = torch.Generator().manual_seed(7)
+    indices = torch.zeros((num_blocks, m, k), dtype=torch.int32)
+    values = torch.zeros((num_blocks, m, k))
+    error = torch.zeros(num_blocks, block_size)
+    with tritonopt.use_backend(backend):
+        for slot in range(m + 2):  # wraps around
+            grad = torch.zeros(num_blocks * block_size)
+            grad[:50] = torch.randn(50, generator=gen)
+            idx, val = ef_topk(grad.view(num_blocks, block_size), error, k)
+            sparse_ring_insert(indices, values, slot % m, idx, val)
+        x = torch.randn((num_blocks, block_size), generator=gen)
+        w = torch.randn(m, generator=gen)
+        products = sparse_sp(indices, values, x)
+        combination = sparse_lcg(indices, values, w, block_size)
+    dense = dense_oracle(indices, values, block_size)
+    torch.testing.assert_close(products.double(), dense @ x.double().view(-1), **tolerance(values))
+    torch.testing.assert_close(combination.double().view(-1), w.double() @ dense, **tolerance(values))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "num_blocks, m, k, block_size",
+    [(1, 1, 1, 1), (1, 1, 7, 7), (2, 1, 5, 5), (1, 3, 1, 9)],
+    ids=["scalar", "m1-full-density", "blocks-full-density", "k1"],
+)
+def test_edge_shapes(backend, num_blocks, m, k, block_size):
+    indices, values = random_ring(num_blocks, m, k, block_size, filled=m, seed=3)
+    x = torch.randn(num_blocks, block_size)
+    w = torch.randn(m)
+    dense = dense_oracle(indices, values, block_size)
+    with tritonopt.use_backend(backend):
+        products = sparse_sp(indices, values, x)
+        combination = sparse_lcg(indices, values, w, block_size)
+    torch.testing.assert_close(products.double(), dense @ x.double().view(-1), **tolerance(values))
+    torch.testing.assert_close(combination.double().view(-1), w.double() @ dense, **tolerance(values))
+
+
+@needs_triton
+def test_k_longer_than_one_chunk():
+    from tritonopt.kernels import sparse_ring as kernels
+
+    # k = 40 > a chunk of 16: the kernels loop over chunks of each row; LCG zeroes its
+    # 48-entry output block in tiles of 16 (the last row block is then partly stale memory).
+    indices, values = random_ring(2, 3, 40, 48, filled=3, seed=11)
+    x, w = torch.randn(2, 48), torch.randn(3)
+    dense = dense_oracle(indices, values, 48)
+    old = kernels.MAX_BLOCK_K, kernels.ZERO_TILE
+    kernels.MAX_BLOCK_K = kernels.ZERO_TILE = 16
+    try:
+        with tritonopt.use_backend("triton"):
+            products = sparse_sp(indices, values, x)
+            combination = sparse_lcg(indices, values, w, 48)
+    finally:
+        kernels.MAX_BLOCK_K, kernels.ZERO_TILE = old
+    torch.testing.assert_close(products.double(), dense @ x.double().view(-1), **tolerance(values))
+    torch.testing.assert_close(combination.double().view(-1), w.double() @ dense, **tolerance(values))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lcg_is_deterministic(backend):
+    indices, values = random_ring(3, 6, 5, 12, filled=6, seed=5)
+    w = torch.randn(6)
+    with tritonopt.use_backend(backend):
+        first = sparse_lcg(indices, values, w, 12)
+        second = sparse_lcg(indices, values, w, 12)
+    assert torch.equal(first, second)
+
+
+@needs_triton
+def test_triton_lcg_adds_rows_in_slot_order_like_the_cpu_reference():
+    indices, values = random_ring(2, 5, 4, 10, filled=5, seed=9)
+    w = torch.randn(5)
+    with tritonopt.use_backend("triton"):
+        triton_out = sparse_lcg(indices, values, w, 10)
+    with tritonopt.use_backend("reference"):
+        reference_out = sparse_lcg(indices, values, w, 10)
+    assert torch.equal(triton_out, reference_out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.bfloat16])
+def test_insert_replaces_exactly_one_row(backend, values_dtype):
+    indices, values = random_ring(3, 4, 2, 8, filled=4, values_dtype=values_dtype, seed=2)
+    before_i, before_v = indices.clone(), values.clone()
+    new_i = torch.tensor([[0, 5], [1, 2], [7, 3]], dtype=torch.int32)
+    new_v = torch.randn(3, 2)
+    with tritonopt.use_backend(backend):
+        sparse_ring_insert(indices, values, 2, new_i, new_v)
+    others = [0, 1, 3]
+    assert torch.equal(indices[:, others], before_i[:, others])
+    assert torch.equal(values[:, others], before_v[:, others])
+    assert torch.equal(indices[:, 2], new_i)
+    if values_dtype == torch.float32:
+        assert torch.equal(values[:, 2], new_v)
+    else:  # the interpreter truncates where torch rounds: at most one bf16 ulp apart
+        ulp = new_v.abs() * 2.0**-7
+        assert bool(((values[:, 2].float() - new_v).abs() <= ulp).all())
+
+
+I3 = torch.zeros((2, 3, 4), dtype=torch.int32)
+V3 = torch.zeros((2, 3, 4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_insert_is_idempotent_and_tuning_does_not_copy_the_ring(backend):
+    from tritonopt.kernels import sparse_ring as kernels
+
+    # Autotuning a kernel with restore_value clones the named tensors before every
+    # timed run; for the insert that is the whole ring buffer (GBs at real sizes).
+    # The insert needs no restore: writing the same row twice gives the same buffer.
+    assert not getattr(kernels._ring_insert_kernel, "restore_value", [])
+    indices, values = random_ring(3, 4, 2, 8, filled=4, seed=6)
+    new_i = torch.tensor([[0, 5], [1, 2], [7, 3]], dtype=torch.int32)
+    new_v = torch.randn(3, 2)
+    with tritonopt.use_backend(backend):
+        sparse_ring_insert(indices, values, 1, new_i, new_v)
+        once_i, once_v = indices.clone(), values.clone()
+        sparse_ring_insert(indices, values, 1, new_i, new_v)
+    assert torch.equal(indices, once_i) and torch.equal(values, once_v)
+
+
+@pytest.mark.parametrize(
+    "indices, values, block_size, exception, word",
+    [
+        (I3, V3, 3, ValueError, "block_size"),
+        (I3 + 8, V3, 8, ValueError, "indices must lie"),
+        (I3 - 1, V3, 8, ValueError, "indices must lie"),
+        (I3.long(), V3, 8, TypeError, "indices"),
+        (I3, V3[:, :2], 8, ValueError, "values"),
+    ],
+)
+def test_densify_ring_rejects_bad_input(indices, values, block_size, exception, word):
+    with pytest.raises(exception, match=word):
+        densify_ring(indices, values, block_size)
+
+
+def test_densify_ring_matches_the_oracle():
+    indices, values = random_ring(2, 3, 4, 9, filled=2, seed=4)
+    torch.testing.assert_close(densify_ring(indices, values, 9).double(), dense_oracle(indices, values, 9))
+
+
+@pytest.mark.parametrize(
+    "call, exception, word",
+    [
+        (lambda: sparse_sp(I3.long(), V3, torch.zeros(2, 8)), TypeError, "indices"),
+        (lambda: sparse_sp(I3, V3.half(), torch.zeros(2, 8)), TypeError, "values"),
+        (lambda: sparse_sp(I3, V3[:, :2], torch.zeros(2, 8)), ValueError, "values"),
+        (lambda: sparse_sp(I3[0], V3[0], torch.zeros(2, 8)), ValueError, "indices"),
+        (lambda: sparse_sp(I3, V3, torch.zeros(3, 8)), ValueError, "x must"),
+        (lambda: sparse_sp(I3, V3, torch.zeros(2, 3)), ValueError, "block_size"),
+        (lambda: sparse_sp(I3, V3, torch.zeros(2, 8).double()), TypeError, "x must"),
+        (lambda: sparse_sp(I3, V3, torch.zeros(8, 2).t()), ValueError, "x must be contiguous"),
+        (lambda: sparse_sp(I3, V3, [0.0]), TypeError, "x must"),
+        (lambda: sparse_lcg(I3, V3, torch.zeros(4), 8), ValueError, "weights"),
+        (lambda: sparse_lcg(I3, V3, torch.zeros(3).double(), 8), TypeError, "weights"),
+        (lambda: sparse_lcg(I3, V3, torch.zeros(3), 3), ValueError, "block_size"),
+        (lambda: sparse_lcg(I3, V3, torch.zeros(3), 8.0), TypeError, "block_size"),
+    ],
+)
+def test_bad_input_is_named(call, exception, word):
+    with pytest.raises(exception, match=word):
+        call()
+
+
+@pytest.mark.parametrize(
+    "slot, new_i, new_v, exception, word",
+    [
+        (3, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4), ValueError, "slot"),
+        (-1, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4), ValueError, "slot"),
+        (1.0, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4), TypeError, "slot"),
+        (0, torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 4), ValueError, "new_indices"),
+        (0, torch.zeros(2, 4), torch.zeros(2, 4), TypeError, "new_indices"),
+        (0, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4).bfloat16(), TypeError, "new_values"),
+        (0, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 5), ValueError, "new_values"),
+    ],
+)
+def test_bad_insert_changes_nothing(slot, new_i, new_v, exception, word):
+    indices, values = I3.clone() + 1, V3.clone() + 1
+    with pytest.raises(exception, match=word):
+        sparse_ring_insert(indices, values, slot, new_i, new_v)
+    assert bool((indices == 1).all()) and bool((values == 1).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    indices, values = random_ring(2, 3, 2, 6, filled=2, seed=1)
+    x, w = torch.randn(2, 6), torch.randn(3)
+    new_i = torch.tensor([[0, 4], [1, 5]], dtype=torch.int32)
+    with tritonopt.use_backend(backend):
+        torch.library.opcheck(torch.ops.tritonopt.sparse_sp.default, (indices, values, x))
+        torch.library.opcheck(torch.ops.tritonopt.sparse_lcg.default, (indices, values, w, 6))
+        torch.library.opcheck(
+            torch.ops.tritonopt.sparse_ring_insert.default,
+            (indices, values, 1, new_i, torch.randn(2, 2)),
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_matches_reference_at_real_size(values_dtype):
+    # ResNet-18-like slice: 64 blocks of 16384, m = 1024, 1 % density.
+    num_blocks, m, block_size, k = 64, 1024, 16384, 164
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    keys = torch.rand((num_blocks, m, block_size), device="cuda", generator=gen)
+    indices = keys.topk(k, dim=2).indices.sort(dim=2).values.int()
+    del keys
+    values = torch.randn((num_blocks, m, k), device="cuda", generator=gen).to(values_dtype)
+    x = torch.randn((num_blocks, block_size), device="cuda", generator=gen)
+    w = torch.randn(m, device="cuda", generator=gen)
+    with tritonopt.use_backend("triton"):
+        products = sparse_sp(indices, values, x)
+        first = sparse_lcg(indices, values, w, block_size)
+        second = sparse_lcg(indices, values, w, block_size)
+    with tritonopt.use_backend("reference"):
+        expected_products = sparse_sp(indices, values, x.double().float())
+        expected = sparse_lcg(indices, values, w, block_size)
+    assert torch.equal(first, second)
+    torch.testing.assert_close(products, expected_products, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(first, expected, rtol=1e-4, atol=1e-3)

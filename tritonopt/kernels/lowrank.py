@@ -1,0 +1,234 @@
+"""Low-rank compression with error feedback by one warm-started power iteration (EFCP sec. 3.2, App. I).
+
+Math, for one tensor unfolded to ``A`` of shape ``[n, p]`` (``n = shape[0]``,
+``p`` = the product of the other dimensions) and a warm start ``Q`` (``[p, r]``)::
+
+    A = error + grad                                   (fp32; written into error)
+    P = A Q                                            [n, r]
+    P = GramSchmidt(P):  for i < r:  P_i /= (||P_i|| + 1e-8);  P_{i+1:} -= P_i (P_i^T P_{i+1:})
+        (a column left with under 1e-4 of its norm is dependent and set to zero)
+    Q = A^T P                                          [p, r], the next step's warm start
+    error = A - P Q^T                                  (in place)
+
+so ``P Q^T + error_new == error_old + grad`` up to rounding, and ``P`` has
+orthonormal columns (or zero columns where ``A Q`` has none to give). Where a
+column of ``P`` is zero, the returned ``Q`` keeps the warm start's column: it
+adds nothing to ``P Q^T``, and a zero column of ``Q`` would stay zero in every
+later iteration (one zero or rank-1 gradient would lower the rank for good).
+This is PowerSGD's compressor (Vogels et al. 2019) as EFCP uses it. A 1-D tensor is not
+compressed and gets no error feedback: ``P = [g, 0, ..., 0]`` (``[n, r]``),
+``Q = [[1, 0, ..., 0]]`` (``[1, r]``), and ``error`` is left as it is.
+
+GPU design. ``r`` is small (1-8), so the two products are bandwidth-bound
+(``2 r`` flops per 4-byte element) and run as Triton reductions over register
+tiles rather than tensor-core GEMMs (which also sidesteps TF32):
+
+1. one program per tile of rows: ``A = error + grad`` is written back into
+   ``error`` and ``P = A Q`` accumulated in the same pass;
+2. Gram-Schmidt on the ``n x r`` ``P`` in torch (``r`` sequential column steps on
+   a tiny matrix; a kernel does not pay);
+3. one program per tile of columns: ``Q = A^T P`` (``A`` re-read from ``error``);
+4. one program per 2-D tile: ``error = A - P Q^T`` (the fused epilogue).
+
+Traffic: read grad and error, write A, read A twice, write error: about
+``24 n p`` bytes, the floor of a 3-pass algorithm (the second product needs all
+of ``P``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
+
+GRAM_SCHMIDT_EPS = 1e-8
+# Relative norm below which a column counts as dependent on the previous ones.
+DEPENDENT_TOLERANCE = 1e-4
+TILE_ROWS = 32
+TILE_COLS = 64
+
+
+def _configs():
+    return [triton.Config({}, num_warps=w) for w in (4, 8)]
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], restore_value=["error_ptr"])
+@jit
+def _accumulate_project_kernel(
+    grad_ptr,  # [n, p] fp32/bf16/fp16
+    error_ptr,  # [n, p] fp32, becomes A = error + grad
+    q_ptr,  # [p, r] fp32
+    out_p_ptr,  # [n, r] fp32, output P = A Q
+    n,
+    p,
+    r,
+    R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n
+    ranks = tl.arange(0, R)
+    rank_ok = ranks < r
+    acc = tl.zeros([BLOCK_N, R], dtype=tl.float32)
+    for c0 in range(0, p, BLOCK_P):
+        cols = c0 + tl.arange(0, BLOCK_P)
+        col_ok = cols < p
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * p + cols[None, :]
+        a = tl.load(error_ptr + offs, mask=mask, other=0.0) + tl.load(
+            grad_ptr + offs, mask=mask, other=0.0
+        ).to(tl.float32)
+        tl.store(error_ptr + offs, a, mask=mask)
+        q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :],
+                    mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+        acc += tl.sum(a[:, :, None] * q[None, :, :], axis=1)
+    tl.store(out_p_ptr + rows.to(tl.int64)[:, None] * r + ranks[None, :], acc,
+             mask=row_ok[:, None] & rank_ok[None, :])
+
+
+@autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"])
+@jit
+def _back_project_kernel(
+    a_ptr,  # [n, p] fp32 (A)
+    p_ptr,  # [n, r] fp32 (orthonormalised P)
+    out_q_ptr,  # [p, r] fp32, output Q = A^T P
+    n,
+    p,
+    r,
+    R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    col_ok = cols < p
+    ranks = tl.arange(0, R)
+    rank_ok = ranks < r
+    acc = tl.zeros([BLOCK_P, R], dtype=tl.float32)
+    for r0 in range(0, n, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < n
+        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * p + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        pr = tl.load(p_ptr + rows.to(tl.int64)[:, None] * r + ranks[None, :],
+                     mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
+        acc += tl.sum(a[:, :, None] * pr[:, None, :], axis=0)
+    tl.store(out_q_ptr + cols[:, None] * r + ranks[None, :], acc,
+             mask=col_ok[:, None] & rank_ok[None, :])
+
+
+@autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], restore_value=["error_ptr"])
+@jit
+def _residual_kernel(
+    error_ptr,  # [n, p] fp32: A in, A - P Q^T out
+    p_ptr,  # [n, r]
+    q_ptr,  # [p, r]
+    n,
+    p,
+    r,
+    R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    # One flat grid axis: the second axis is limited to 65535 programs on CUDA.
+    pid = tl.program_id(0)
+    col_tiles = (p + BLOCK_P - 1) // BLOCK_P
+    rows = (pid // col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (pid % col_tiles) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ranks = tl.arange(0, R)
+    row_ok, col_ok, rank_ok = rows < n, cols < p, ranks < r
+    pr = tl.load(p_ptr + rows.to(tl.int64)[:, None] * r + ranks[None, :],
+                 mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :],
+                mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+    approx = tl.sum(pr[:, None, :] * q[None, :, :], axis=2)
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * p + cols[None, :]
+    a = tl.load(error_ptr + offs, mask=mask, other=0.0)
+    tl.store(error_ptr + offs, a - approx, mask=mask)
+
+
+def gram_schmidt_(p: torch.Tensor, eps: float = GRAM_SCHMIDT_EPS) -> torch.Tensor:
+    """Orthonormalise the columns of ``p`` in place, left to right (modified Gram-Schmidt).
+
+    ``P_i /= (||P_i|| + eps)`` then ``P_{i+1:} -= P_i (P_i^T P_{i+1:})``, as in
+    PowerSGD. A column that loses all but ``DEPENDENT_TOLERANCE`` of its original
+    norm to the projections is linearly dependent on the previous ones up to
+    rounding (e.g. ``r > min(n, p)``): it is set to zero rather than normalising
+    the rounding noise into a spurious direction. No host synchronisation.
+    """
+    rank = p.shape[1]
+    original = p.norm(dim=0)
+    for i in range(rank):
+        column = p[:, i : i + 1]
+        norm = column.norm()
+        keep = norm > DEPENDENT_TOLERANCE * original[i]
+        column.mul_(torch.where(keep, 1.0 / (norm + eps), torch.zeros_like(norm)))
+        if i + 1 < rank:
+            rest = p[:, i + 1 :]
+            rest.sub_(column * (column.T @ rest))
+    return p
+
+
+def residual_grid(n: int, cols: int, block_n: int, block_p: int) -> tuple[int]:
+    """Launch grid of the residual kernel: every (row tile, column tile) on one axis."""
+    return (cdiv(n, block_n) * cdiv(cols, block_p),)
+
+
+def _keep_warm_start(p: torch.Tensor, q_in: torch.Tensor, q_new: torch.Tensor) -> torch.Tensor:
+    """``q_new`` with the warm start's column wherever ``p``'s column is zero (no host sync)."""
+    alive = (p != 0).any(dim=0)
+    return torch.where(alive, q_new, q_in)
+
+
+def _passthrough(grad: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    p = torch.zeros((grad.shape[0], rank), dtype=torch.float32, device=grad.device)
+    p[:, 0] = grad
+    q = torch.zeros((1, rank), dtype=torch.float32, device=grad.device)
+    q[0, 0] = 1.0
+    return p, q
+
+
+def lowrank_ef_triton(
+    grad: torch.Tensor, error: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the three kernels around a torch Gram-Schmidt. Arguments already validated."""
+    rank = q.shape[1]
+    if grad.dim() == 1:
+        return _passthrough(grad, rank)
+    n, cols = grad.shape
+    out_p = torch.empty((n, rank), dtype=torch.float32, device=grad.device)
+    out_q = torch.empty((cols, rank), dtype=torch.float32, device=grad.device)
+    if n == 0 or cols == 0:
+        out_p.zero_()
+        return out_p, _keep_warm_start(out_p, q, out_q.zero_())
+    meta = dict(R=max(2, next_power_of_2(rank)), BLOCK_N=min(TILE_ROWS, max(2, next_power_of_2(n))),
+                BLOCK_P=min(TILE_COLS, max(2, next_power_of_2(cols))))
+    with _device_guard(grad):
+        _accumulate_project_kernel[(cdiv(n, meta["BLOCK_N"]),)](grad, error, q, out_p, n, cols, rank, **meta)
+        gram_schmidt_(out_p)
+        _back_project_kernel[(cdiv(cols, meta["BLOCK_P"]),)](error, out_p, out_q, n, cols, rank, **meta)
+        _residual_kernel[residual_grid(n, cols, meta["BLOCK_N"], meta["BLOCK_P"])](
+            error, out_p, out_q, n, cols, rank, **meta
+        )
+    return out_p, _keep_warm_start(out_p, q, out_q)
+
+
+def lowrank_ef_reference(
+    grad: torch.Tensor, error: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch power iteration with error feedback; same contract as the kernels."""
+    rank = q.shape[1]
+    if grad.dim() == 1:
+        return _passthrough(grad, rank)
+    a = error.add_(grad.to(torch.float32))
+    p = gram_schmidt_(a @ q)
+    q_new = a.T @ p
+    error.sub_(p @ q_new.T)
+    return p, _keep_warm_start(p, q, q_new)

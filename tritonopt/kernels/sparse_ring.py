@@ -1,0 +1,283 @@
+"""Sparse ring buffer of blockwise Top-k rows: insertion, SP and LCG (EFCP, Modoranu et al. 2024, sec. 3.1).
+
+The buffer holds ``m`` rows; each row is one :func:`tritonopt.ops.ef_topk` result
+over a vector of ``num_blocks * block_size`` entries cut into ``num_blocks``
+blocks, ``k`` entries kept per block.
+
+Layout (block-major)::
+
+    indices : [num_blocks, m, k]  int32, positions within the block, in [0, block_size)
+    values  : [num_blocks, m, k]  float32 or bfloat16
+
+Row ``r`` of the buffer is the dense vector ``G[r]`` of length
+``num_blocks * block_size`` with ``G[r][b * block_size + indices[b, r, j]] = values[b, r, j]``.
+Block-major keeps everything one d-block needs (its ``m x k`` slice) contiguous,
+so one program reads its slice once and a d-block of ``x`` (SP) or of the output
+(LCG) stays on chip; inserting a row is a strided write of ``num_blocks`` chunks
+of ``k`` entries, ``O(k)`` work per step. Rows never written are all zero
+(index 0, value 0) and contribute nothing.
+
+Contract: within one block of one row, positions holding a nonzero value are
+distinct (true of every ``ef_topk`` row, and of all-zero rows). Indices must lie
+in ``[0, block_size)``; the kernels mask anything else, so a bad index never
+touches memory outside the block, but its result is then unspecified.
+
+Math::
+
+    SP(x)[r]  = sum_{b, j} values[b, r, j] * x[b, indices[b, r, j]]        (= G @ x,  [m])
+    LCG(w)[b, i] = sum_r w[r] * sum_{j : indices[b, r, j] = i} values[b, r, j]   (= w @ G)
+
+GPU design.
+
+* SP: one program per (d-block, tile of ``ROWS`` rows); it streams its rows'
+  indices and values (coalesced), gathers ``x`` inside one d-block (L1/L2
+  resident) and writes one partial sum per row to ``partial[num_blocks, m]``,
+  summed over blocks afterwards by ``torch.sum`` in a fixed order: no atomics,
+  deterministic. The partials add ``4 * num_blocks * m`` bytes, about 1 % of the
+  buffer's traffic at the paper's sizes.
+* LCG: one program per d-block. It zeroes its output block, then adds the rows
+  in slot order, ``out[I[b, r, :]] += w[r] * V[b, r, :]`` as a load and a store,
+  with a barrier between rows. The indices of one row are distinct, so no two
+  lanes of one row touch the same address, and the barrier orders the rows, as
+  the paper's shared-memory kernel does: the result is bitwise reproducible.
+  The output block (at most a few tens of KB) stays in L1/L2, so HBM sees one
+  write of ``4 * block_size`` bytes per block.
+* Values are upcast to float32 right after the load; everything accumulates in
+  float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
+
+# Longest chunk of one row's k entries handled per loop iteration.
+MAX_BLOCK_K = 1024
+# Tile used to zero an output block in LCG.
+ZERO_TILE = 1024
+
+
+def _sp_configs():
+    return [triton.Config({"ROWS": r}, num_warps=w) for r, w in ((8, 4), (4, 4), (16, 8), (2, 4))]
+
+
+def _lcg_configs():
+    return [triton.Config({}, num_warps=w) for w in (4, 8, 2)]
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@autotune(_sp_configs, key=["m_bucket", "BLOCK_K"])  # writes every partial: no reset needed
+@jit
+def _sparse_sp_kernel(
+    idx_ptr,  # [num_blocks, m, k] int32
+    val_ptr,  # [num_blocks, m, k] fp32 / bf16
+    x_ptr,  # [num_blocks, block_size] fp32
+    partial_ptr,  # [num_blocks, m] fp32, output
+    m,
+    k,
+    block_size,
+    m_bucket,  # autotune key only
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    blk = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < m
+    cols = tl.arange(0, BLOCK_K)
+    row_base = (blk * m + rows.to(tl.int64)) * k
+    x_base = x_ptr + blk * block_size
+    acc = tl.zeros([ROWS], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        c = k0 + cols
+        mask = row_ok[:, None] & (c[None, :] < k)
+        offs = row_base[:, None] + c[None, :]
+        idx = tl.load(idx_ptr + offs, mask=mask, other=0)
+        val = tl.load(val_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        in_block = mask & (idx >= 0) & (idx < block_size)
+        x = tl.load(x_base + idx, mask=in_block, other=0.0)
+        acc += tl.sum(val * x, axis=1)
+    tl.store(partial_ptr + blk * m + rows, acc, mask=row_ok)
+
+
+@autotune(_lcg_configs, key=["m_bucket", "BLOCK_K"])  # rewrites the whole output
+@jit
+def _sparse_lcg_kernel(
+    idx_ptr,  # [num_blocks, m, k] int32
+    val_ptr,  # [num_blocks, m, k] fp32 / bf16
+    w_ptr,  # [m] fp32
+    out_ptr,  # [num_blocks, block_size] fp32, output (fully written)
+    m,
+    k,
+    block_size,
+    m_bucket,  # autotune key only
+    BLOCK_K: tl.constexpr,
+    ZERO: tl.constexpr,
+):
+    blk = tl.program_id(0).to(tl.int64)
+    out_base = out_ptr + blk * block_size
+    lanes = tl.arange(0, ZERO)
+    for z0 in range(0, block_size, ZERO):
+        tl.store(out_base + z0 + lanes, tl.zeros([ZERO], dtype=tl.float32),
+                 mask=z0 + lanes < block_size)
+    tl.debug_barrier()
+    cols = tl.arange(0, BLOCK_K)
+    for r in range(0, m):
+        w = tl.load(w_ptr + r)
+        row_base = (blk * m + r) * k
+        for k0 in range(0, k, BLOCK_K):
+            c = k0 + cols
+            mask = c < k
+            idx = tl.load(idx_ptr + row_base + c, mask=mask, other=0)
+            val = tl.load(val_ptr + row_base + c, mask=mask, other=0.0).to(tl.float32)
+            in_block = mask & (idx >= 0) & (idx < block_size)
+            current = tl.load(out_base + idx, mask=in_block, other=0.0)
+            tl.store(out_base + idx, current + w * val, mask=in_block)
+        tl.debug_barrier()  # the next row may touch the same positions
+
+
+# No restore_value: the insert is idempotent (a rerun writes the same row), and
+# restoring would clone the whole ring buffer on every tuning run.
+@autotune(_lcg_configs, key=["BLOCK_K"])
+@jit
+def _ring_insert_kernel(
+    idx_ptr,  # [num_blocks, m, k] int32, updated in place
+    val_ptr,  # [num_blocks, m, k] fp32 / bf16, updated in place
+    new_idx_ptr,  # [num_blocks, k] int32
+    new_val_ptr,  # [num_blocks, k] fp32
+    slot,
+    m,
+    k,
+    BLOCK_K: tl.constexpr,
+):
+    blk = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    dst = (blk * m + slot) * k
+    src = blk * k
+    for k0 in range(0, k, BLOCK_K):
+        c = k0 + cols
+        mask = c < k
+        idx = tl.load(new_idx_ptr + src + c, mask=mask, other=0)
+        val = tl.load(new_val_ptr + src + c, mask=mask, other=0.0)
+        tl.store(idx_ptr + dst + c, idx, mask=mask)
+        tl.store(val_ptr + dst + c, val.to(val_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_k(k: int) -> int:
+    return min(MAX_BLOCK_K, max(16, next_power_of_2(k)))
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def sparse_sp_triton(indices: torch.Tensor, values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Launch SP. Arguments must already be validated (see ``tritonopt.ops``)."""
+    num_blocks, m, k = indices.shape
+    block_size = x.shape[1]
+    partial = torch.zeros((num_blocks, m), dtype=torch.float32, device=x.device)
+    if num_blocks == 0 or m == 0 or k == 0:
+        return partial.sum(dim=0)
+    block_k = _block_k(k)
+
+    def grid(meta):
+        return (num_blocks, cdiv(m, meta["ROWS"]))
+
+    with _device_guard(x):
+        _sparse_sp_kernel[grid](
+            indices, values, x, partial, m, k, block_size, next_power_of_2(m), BLOCK_K=block_k
+        )
+    return partial.sum(dim=0)
+
+
+def sparse_lcg_triton(
+    indices: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Launch LCG. Arguments must already be validated; ``weights`` is float32."""
+    num_blocks, m, k = indices.shape
+    out = torch.empty((num_blocks, block_size), dtype=torch.float32, device=values.device)
+    if num_blocks == 0 or block_size == 0:
+        return out
+    if m == 0 or k == 0:
+        return out.zero_()
+    with _device_guard(values):
+        _sparse_lcg_kernel[(num_blocks,)](
+            indices, values, weights, out, m, k, block_size, next_power_of_2(m),
+            BLOCK_K=_block_k(k), ZERO=min(ZERO_TILE, next_power_of_2(block_size)),
+        )
+    return out
+
+
+def sparse_ring_insert_triton(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    slot: int,
+    new_indices: torch.Tensor,
+    new_values: torch.Tensor,
+) -> None:
+    """Write row ``slot``. Arguments must already be validated."""
+    num_blocks, m, k = indices.shape
+    if num_blocks == 0 or k == 0:
+        return
+    with _device_guard(values):
+        _ring_insert_kernel[(num_blocks,)](
+            indices, values, new_indices, new_values, slot, m, k, BLOCK_K=_block_k(k)
+        )
+
+
+# --------------------------------------------------------------------------- references
+
+
+def _absolute_indices(indices: torch.Tensor, block_size: int) -> torch.Tensor:
+    num_blocks = indices.shape[0]
+    starts = torch.arange(num_blocks, device=indices.device, dtype=torch.int64) * block_size
+    return indices.long() + starts.view(num_blocks, 1, 1)
+
+
+def sparse_sp_reference(indices: torch.Tensor, values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch SP: ``gather`` then a sum over blocks and entries, in x's dtype (>= float32)."""
+    num_blocks, m, k = indices.shape
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    flat_x = x.reshape(-1).to(dtype)
+    gathered = flat_x[_absolute_indices(indices, x.shape[1])]
+    return (values.to(dtype) * gathered).sum(dim=(0, 2)) if num_blocks else flat_x.new_zeros(m)
+
+
+def sparse_lcg_reference(
+    indices: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Plain-PyTorch LCG: ``index_add_`` of ``w[r] * V[b, r, :]`` into the dense blocks.
+
+    On the CPU the entries are added in (block, row, entry) order, the kernel's
+    order; on CUDA ``index_add_`` uses atomics and is not bitwise reproducible.
+    """
+    num_blocks = indices.shape[0]
+    dtype = torch.promote_types(weights.dtype, torch.float32)
+    out = torch.zeros(num_blocks * block_size, dtype=dtype, device=values.device)
+    contributions = weights.to(dtype).view(1, -1, 1) * values.to(dtype)
+    out.index_add_(0, _absolute_indices(indices, block_size).reshape(-1), contributions.reshape(-1))
+    return out.view(num_blocks, block_size)
+
+
+def sparse_ring_insert_reference(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    slot: int,
+    new_indices: torch.Tensor,
+    new_values: torch.Tensor,
+) -> None:
+    indices[:, slot].copy_(new_indices)
+    values[:, slot].copy_(new_values)
+
+
+def densify_ring(indices: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The dense ``[m, num_blocks * block_size]`` matrix ``G`` the buffer stands for (float32 or wider)."""
+    num_blocks, m, k = indices.shape
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    dense = torch.zeros((m, num_blocks, block_size), dtype=dtype, device=values.device)
+    dense.scatter_add_(2, indices.long().permute(1, 0, 2), values.to(dtype).permute(1, 0, 2))
+    return dense.reshape(m, num_blocks * block_size)
