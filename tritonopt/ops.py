@@ -17,9 +17,27 @@ Error-feedback compression (EFCP)
 ``lowrank_ef``                  rank-``r`` power-iteration compression with error feedback
 ``lowrank_frobenius_products``  Frobenius products of stored low-rank pairs with a new one
 ==============================  ================================================
+
+K-FAC (KAISA)
+
+==================================  ============================================
+``kfac_factor_update``              fused running average ``decay F + (1-decay) X^T X / n``
+``eigenbasis_precondition``         ``QG [(QG^T grad QA) / (dG dA^T + damping)] QA^T``
+``eigenbasis_precondition_prediv``  the same with a precomputed reciprocal
+``eigen_inv_denominator``           that reciprocal, ``1 / (dG dA^T + damping)``
+``triu_pack`` / ``triu_unpack``     upper-triangle packing with a dtype cast
+==================================  ============================================
 """
 
 from tritonopt._ops.ef_topk import densify_blocks, ef_topk
+from tritonopt._ops.kfac import (
+    eigen_inv_denominator,
+    eigenbasis_precondition,
+    eigenbasis_precondition_prediv,
+    kfac_factor_update,
+    triu_pack,
+    triu_unpack,
+)
 from tritonopt._ops.lowrank import lowrank_ef, lowrank_frobenius_products
 from tritonopt._ops.sparse_ring import densify_ring, sparse_lcg, sparse_ring_insert, sparse_sp
 
@@ -27,9 +45,15 @@ __all__ = [
     "densify_blocks",
     "densify_ring",
     "ef_topk",
+    "eigen_inv_denominator",
+    "eigenbasis_precondition",
+    "eigenbasis_precondition_prediv",
+    "kfac_factor_update",
     "lowrank_ef",
     "lowrank_frobenius_products",
     "sparse_lcg",
     "sparse_ring_insert",
     "sparse_sp",
+    "triu_pack",
+    "triu_unpack",
 ]

@@ -1,8 +1,18 @@
-"""``torch.distributed`` layers of tritonopt (KAISA, DHO2, SSD-SGD, DSP, sharded S-MFAC).
+"""``torch.distributed`` layers of tritonopt.
 
-None is available yet; this package holds them as they land. Every layer uses
-``torch.distributed`` collectives only (NCCL on GPU, gloo on CPU), documents the
-collectives it issues and what each rank holds, and counts the bytes it sends.
+==========================  =====================================================
+``KAISAPreconditioner``     K-FAC across ranks with KAISA's ``grad_worker_fraction``
+==========================  =====================================================
+
+Every layer uses ``torch.distributed`` collectives only (NCCL on GPU, gloo on
+CPU), documents the collectives it issues and what each rank holds, and counts
+the bytes it sends and receives per collective kind.
 """
 
-__all__: list[str] = []
+from tritonopt.dist.kaisa import KAISAAssignment, KAISAPreconditioner, Strategy
+
+__all__ = [
+    "KAISAAssignment",
+    "KAISAPreconditioner",
+    "Strategy",
+]

@@ -1,0 +1,447 @@
+"""K-FAC kernels: factor update, eigenbasis preconditioning, triangle pack/unpack.
+
+KAISA (Pauloski et al., SC '21) preconditions the gradient of each ``Linear`` /
+``Conv2d`` layer with the Kronecker factors ``A`` (input second moment) and ``G``
+(output-gradient second moment) of its Fisher block, through their
+eigendecompositions (paper sec. 2.1, Eq. 15-17; sec. 4.3, 4.4).
+
+Factor update (paper sec. 2.1.2, running average; K1 of the design)::
+
+    X      = [x, 1] * scale            if append_bias, else x * scale     [n, dim]
+    factor = decay * factor + (1 - decay) * X^T X / n                    [dim, dim], in place
+
+``x`` is ``[n, in_dim]`` (float32/16/bf16, any strides), ``factor`` ``[dim, dim]``
+float32 contiguous with ``dim = in_dim + append_bias``. The bias column of ones is
+never materialised: the kernel substitutes it on load. GPU design: one program
+per ``BLOCK x BLOCK`` tile of the **upper** triangle (``T (T + 1) / 2`` programs for
+``T`` tiles per side, half the flops of the full product); each program streams
+``X`` in ``BLOCK_K`` row chunks, accumulates ``X_I^T X_J`` in fp32 with ``tl.dot``,
+applies the running average to the upper entries it owns and stores the tile
+twice, once in place and once transposed into the lower triangle. The result is
+therefore symmetric to the last bit, and depends on the upper triangle of the old
+factor only. With ``decay == 0`` the old factor is not read (it may hold garbage).
+
+Eigenbasis preconditioning (paper Eq. 15-17 and sec. 4.4)::
+
+    V1 = QG^T grad QA                                   [g, a]
+    V2 = V1 / (dG dA^T + damping)   or   V1 * D         (D = 1 / (dG dA^T + damping), "prediv")
+    P  = QG V2 QA^T                                     = (A (x) G + damping I)^-1 grad
+
+``grad`` is ``[g, a]`` (weight reshaped to 2-D, bias as the last column), ``qa``
+``[a, a]`` and ``qg`` ``[g, g]`` hold eigenvectors in their columns, ``da``/``dg``
+the eigenvalues. Four launches of one tiled GEMM kernel, transposes taken through
+strides, the element-wise divide (or the multiply by ``D``) fused into the
+epilogue of the second product; intermediates stay fp32 (two ``[g, a]`` buffers).
+Flops: ``4 g a (g + a)``.
+
+Precision. fp32 ``tl.dot`` on a GPU defaults to TF32 (10-bit mantissa). The
+divide by ``dG dA^T + damping`` amplifies the rotated gradient by up to
+``1 / damping`` in the directions of small eigenvalues, so TF32 rounding of the
+inputs of the first two products becomes a relative error of order
+``2^-11 * cond`` in ``P``. The kernels therefore default to ``"tf32x3"`` (three
+TF32 products that recover fp32 accuracy, still on the tensor cores); ``"ieee"``
+(fp32 FMA) and ``"tf32"`` can be chosen per call. Under the interpreter every
+choice computes exact fp32 products.
+
+Triangle pack/unpack (paper sec. 4.3; K4 of the design)::
+
+    pack:   out[i*d - i*(i-1)/2 + (j - i)] = cast(scale * M[i, j])   for j >= i      [d(d+1)/2]
+    unpack: M[i, j] = M[j, i] = cast(scale * packed[idx(min(i,j), max(i,j))])        [d, d]
+
+One program per (row, column block); no index tensors (``torch.triu_indices``
+would need ``2 d (d+1)/2`` int64 indices, 170 MB at ``d = 4608``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
+
+PRECISIONS = ("tf32x3", "ieee", "tf32")
+DEFAULT_PRECISION = "tf32x3"
+
+# Epilogues of the GEMM kernel.
+_EPILOGUE_NONE = 0
+_EPILOGUE_MULTIPLY = 1  # C *= E[m, n]                (prediv)
+_EPILOGUE_DIVIDE_OUTER = 2  # C /= e1[m] * e2[n] + damping
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- factor update
+
+
+def _factor_configs():
+    return [
+        triton.Config({"BLOCK": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK": 32, "BLOCK_K": 32}, num_warps=2, num_stages=2),
+    ]
+
+
+@jit
+def _load_columns(x_ptr, rows, cols, n_rows, in_dim, stride_xn, stride_xd, HAS_BIAS_COLUMN: tl.constexpr):
+    """``X[rows, cols]`` as fp32, with column ``in_dim`` read as ones when there is a bias column."""
+    in_rows = rows[:, None] < n_rows
+    tile = tl.load(
+        x_ptr + rows[:, None].to(tl.int64) * stride_xn + cols[None, :].to(tl.int64) * stride_xd,
+        mask=in_rows & (cols[None, :] < in_dim),
+        other=0.0,
+    ).to(tl.float32)
+    if HAS_BIAS_COLUMN:
+        tile = tl.where(in_rows & (cols[None, :] == in_dim), 1.0, tile)
+    return tile
+
+
+@autotune(_factor_configs, key=["dim_bucket", "rows_bucket"], restore_value=["factor_ptr"])
+@jit
+def _factor_update_kernel(
+    factor_ptr,  # [dim, dim] fp32, contiguous, updated in place
+    x_ptr,  # [n_rows, in_dim], any float dtype and strides
+    n_rows,
+    in_dim,
+    dim,  # in_dim + HAS_BIAS_COLUMN
+    stride_xn,
+    stride_xd,
+    decay,  # weight of the old factor; 0 means "do not read it"
+    coeff,  # (1 - decay) * scale^2 / n_rows
+    dim_bucket,  # autotune keys only
+    rows_bucket,
+    HAS_BIAS_COLUMN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Program p -> tile (ti, tj), ti <= tj, enumerating the lower triangle (tj, ti) row by row.
+    pid = tl.program_id(0)
+    tj = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    tj = tl.where((tj + 1) * (tj + 2) // 2 <= pid, tj + 1, tj)  # guard against sqrt rounding
+    tj = tl.where(tj * (tj + 1) // 2 > pid, tj - 1, tj)
+    ti = pid - tj * (tj + 1) // 2
+
+    rows = ti * BLOCK + tl.arange(0, BLOCK)  # factor rows = columns I of X
+    cols = tj * BLOCK + tl.arange(0, BLOCK)  # factor columns = columns J of X
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k0 in range(0, n_rows, BLOCK_K):
+        x_i = _load_columns(x_ptr, k0 + ks, rows, n_rows, in_dim, stride_xn, stride_xd, HAS_BIAS_COLUMN)
+        x_j = _load_columns(x_ptr, k0 + ks, cols, n_rows, in_dim, stride_xn, stride_xd, HAS_BIAS_COLUMN)
+        acc += tl.dot(tl.trans(x_i), x_j, input_precision=PRECISION)
+
+    in_bounds = (rows[:, None] < dim) & (cols[None, :] < dim)
+    owned = in_bounds & (rows[:, None] <= cols[None, :])
+    offsets = rows[:, None].to(tl.int64) * dim + cols[None, :]
+    old = tl.load(factor_ptr + offsets, mask=owned & (decay != 0.0), other=0.0)
+    new = decay * old + coeff * acc
+    tl.store(factor_ptr + offsets, new, mask=owned)
+    # The same values, transposed, into the lower triangle: symmetric by construction.
+    new_t = tl.trans(new)
+    offsets_t = cols[:, None].to(tl.int64) * dim + rows[None, :]
+    owned_t = (cols[:, None] < dim) & (rows[None, :] < dim) & (rows[None, :] <= cols[:, None])
+    tl.store(factor_ptr + offsets_t, new_t, mask=owned_t)
+
+
+def kfac_factor_update_triton(
+    factor: torch.Tensor,
+    x: torch.Tensor,
+    decay: float,
+    append_bias: bool,
+    scale: float,
+    precision: str = DEFAULT_PRECISION,
+    *,
+    block: int | None = None,
+) -> None:
+    """Launch the fused factor update. Arguments must already be validated.
+
+    ``block`` forces one tile size (tests use it to exercise many tiles on tiny shapes).
+    """
+    n_rows, in_dim = x.shape
+    dim = factor.shape[0]
+    coeff = (1.0 - decay) * scale * scale / n_rows
+    kernel = _factor_update_kernel
+    meta = {}
+    if block is not None:
+        kernel = _factor_update_kernel.fn  # bypass autotune: explicit configuration
+        meta = {"BLOCK": block, "BLOCK_K": min(32, max(16, block))}
+
+    def grid(meta_):
+        tiles = cdiv(dim, meta_["BLOCK"])
+        return (tiles * (tiles + 1) // 2,)
+
+    with _device_guard(factor):
+        kernel[grid](
+            factor, x, n_rows, in_dim, dim, x.stride(0), x.stride(1),
+            float(decay), float(coeff), next_power_of_2(dim), next_power_of_2(n_rows),
+            HAS_BIAS_COLUMN=bool(append_bias), PRECISION=precision, **meta,
+        )
+
+
+def kfac_factor_update_reference(
+    factor: torch.Tensor, x: torch.Tensor, decay: float, append_bias: bool, scale: float
+) -> None:
+    """Plain-PyTorch factor update; same contract as the kernel (upper triangle mirrored)."""
+    xs = x.to(torch.float32)
+    if append_bias:
+        xs = torch.cat([xs, xs.new_ones(xs.shape[0], 1)], dim=1)
+    coeff = (1.0 - decay) * scale * scale / x.shape[0]
+    product = xs.T @ xs
+    new = product * coeff if decay == 0 else decay * factor + coeff * product
+    upper = torch.triu(new)
+    factor.copy_(upper + torch.triu(new, diagonal=1).T)
+
+
+# --------------------------------------------------------------------------- preconditioning
+
+
+def _gemm_configs():
+    return [
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=2, num_stages=2),
+    ]
+
+
+@autotune(_gemm_configs, key=["m_bucket", "n_bucket", "k_bucket"])
+@jit
+def _gemm_epilogue_kernel(
+    a_ptr, b_ptr, c_ptr,  # C[M, N] = A[M, K] @ B[K, N] (+ epilogue); C fp32
+    e1_ptr, e2_ptr,  # epilogue operands (unused for EPILOGUE == 0)
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    stride_e1m, stride_e1n,  # E [M, N] for EPILOGUE 1; e1 [M] stride for EPILOGUE 2
+    stride_e2,  # e2 [N] stride for EPILOGUE 2
+    damping,
+    m_bucket, n_bucket, k_bucket,  # autotune keys only
+    EPILOGUE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped ordering: GROUP_M row-tiles share their B column-tiles in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        a = tl.load(
+            a_ptr + rm64[:, None] * stride_am + ks[None, :].to(tl.int64) * stride_ak,
+            mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0,
+        ).to(tl.float32)
+        b = tl.load(
+            b_ptr + ks[:, None].to(tl.int64) * stride_bk + rn64[None, :] * stride_bn,
+            mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0,
+        ).to(tl.float32)
+        acc += tl.dot(a, b, input_precision=PRECISION)
+
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if EPILOGUE == 1:
+        e = tl.load(e1_ptr + rm64[:, None] * stride_e1m + rn64[None, :] * stride_e1n, mask=mask, other=0.0)
+        acc = acc * e.to(tl.float32)
+    elif EPILOGUE == 2:
+        e1 = tl.load(e1_ptr + rm64 * stride_e1m, mask=rm < M, other=0.0).to(tl.float32)
+        e2 = tl.load(e2_ptr + rn64 * stride_e2, mask=rn < N, other=0.0).to(tl.float32)
+        acc = acc / (e1[:, None] * e2[None, :] + damping)
+    tl.store(c_ptr + rm64[:, None] * stride_cm + rn64[None, :] * stride_cn, acc, mask=mask)
+
+
+def _strides(t: torch.Tensor, transpose: bool) -> tuple[int, int]:
+    return (t.stride(1), t.stride(0)) if transpose else (t.stride(0), t.stride(1))
+
+
+def _gemm(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, transpose_a=False, transpose_b=False,
+    epilogue=_EPILOGUE_NONE, e1=None, e2=None, damping=0.0, precision=DEFAULT_PRECISION,
+    block: int | None = None,
+) -> torch.Tensor:
+    M, N = out.shape
+    K = a.shape[0] if transpose_a else a.shape[1]
+    s_am, s_ak = _strides(a, transpose_a)
+    s_bk, s_bn = _strides(b, transpose_b)
+    if epilogue == _EPILOGUE_MULTIPLY:
+        s_e1m, s_e1n, s_e2 = e1.stride(0), e1.stride(1), 0
+        e2 = e1
+    elif epilogue == _EPILOGUE_DIVIDE_OUTER:
+        s_e1m, s_e1n, s_e2 = e1.stride(0), 0, e2.stride(0)
+    else:
+        e1 = e2 = out
+        s_e1m = s_e1n = s_e2 = 0
+    kernel = _gemm_epilogue_kernel
+    meta = {}
+    if block is not None:
+        kernel = _gemm_epilogue_kernel.fn
+        meta = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": max(16, block), "GROUP_M": 2}
+
+    def grid(meta_):
+        return (cdiv(M, meta_["BLOCK_M"]) * cdiv(N, meta_["BLOCK_N"]),)
+
+    kernel[grid](
+        a, b, out, e1, e2, M, N, K, s_am, s_ak, s_bk, s_bn, out.stride(0), out.stride(1),
+        s_e1m, s_e1n, s_e2, float(damping),
+        next_power_of_2(M), next_power_of_2(N), next_power_of_2(K),
+        EPILOGUE=epilogue, PRECISION=precision, **meta,
+    )
+    return out
+
+
+def eigenbasis_precondition_triton(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    *,
+    da: torch.Tensor | None = None,
+    dg: torch.Tensor | None = None,
+    damping: float = 0.0,
+    inv_denominator: torch.Tensor | None = None,
+    precision: str = DEFAULT_PRECISION,
+    block: int | None = None,
+) -> torch.Tensor:
+    """``QG [(QG^T grad QA) / (dG dA^T + damping)] QA^T`` (or ``* inv_denominator``), fp32.
+
+    Arguments must already be validated. ``block`` forces one square tile size.
+    """
+    g_dim, a_dim = grad.shape
+    first = torch.empty((g_dim, a_dim), dtype=torch.float32, device=grad.device)
+    second = torch.empty_like(first)
+    if g_dim == 0 or a_dim == 0:
+        return second
+    with _device_guard(grad):
+        _gemm(qg, grad, first, transpose_a=True, precision=precision, block=block)  # QG^T grad
+        if inv_denominator is not None:
+            _gemm(first, qa, second, epilogue=_EPILOGUE_MULTIPLY, e1=inv_denominator,
+                  precision=precision, block=block)
+        else:
+            _gemm(first, qa, second, epilogue=_EPILOGUE_DIVIDE_OUTER, e1=dg, e2=da,
+                  damping=damping, precision=precision, block=block)
+        _gemm(second, qa, first, transpose_b=True, precision=precision, block=block)  # V2 QA^T
+        _gemm(qg, first, second, precision=precision, block=block)  # QG (V2 QA^T)
+    return second
+
+
+def eigenbasis_precondition_reference(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    *,
+    da: torch.Tensor | None = None,
+    dg: torch.Tensor | None = None,
+    damping: float = 0.0,
+    inv_denominator: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-PyTorch eigenbasis preconditioning in float32 (paper Eq. 15-17)."""
+    f32 = torch.float32
+    qa, qg = qa.to(f32), qg.to(f32)
+    rotated = qg.T @ grad.to(f32) @ qa
+    if inv_denominator is not None:
+        rotated = rotated * inv_denominator.to(f32)
+    else:
+        rotated = rotated / (torch.outer(dg.to(f32), da.to(f32)) + damping)
+    return qg @ rotated @ qa.T
+
+
+def eigen_inv_denominator_reference(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:
+    """``1 / (dG dA^T + damping)``, the precomputed reciprocal of paper sec. 4.4 (fp32)."""
+    return 1.0 / (torch.outer(dg.to(torch.float32), da.to(torch.float32)) + damping)
+
+
+# --------------------------------------------------------------------------- triangle pack
+
+
+def triu_numel(dim: int) -> int:
+    return dim * (dim + 1) // 2
+
+
+@jit
+def _triu_pack_kernel(
+    mat_ptr, out_ptr, dim, stride_r, stride_c, scale,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = row + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < dim
+    values = tl.load(mat_ptr + row * stride_r + cols * stride_c, mask=mask, other=0.0).to(tl.float32)
+    start = row * dim - row * (row - 1) // 2
+    tl.store(out_ptr + start + (cols - row), (values * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _triu_unpack_kernel(
+    packed_ptr, out_ptr, dim, scale,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = cols < dim
+    i = tl.minimum(cols, row)
+    j = tl.maximum(cols, row)
+    index = i * dim - i * (i - 1) // 2 + (j - i)
+    values = tl.load(packed_ptr + index, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * dim + cols, (values * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _pack_block(dim: int) -> int:
+    return min(1024, max(16, next_power_of_2(dim)))
+
+
+def triu_pack_triton(matrix: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    dim = matrix.shape[0]
+    out = torch.empty(triu_numel(dim), dtype=dtype, device=matrix.device)
+    if dim == 0:
+        return out
+    block = _pack_block(dim)
+    with _device_guard(matrix):
+        _triu_pack_kernel[(dim, cdiv(dim, block))](
+            matrix, out, dim, matrix.stride(0), matrix.stride(1), float(scale), BLOCK=block
+        )
+    return out
+
+
+def triu_unpack_triton(packed: torch.Tensor, dim: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    out = torch.empty((dim, dim), dtype=dtype, device=packed.device)
+    if dim == 0:
+        return out
+    block = _pack_block(dim)
+    with _device_guard(packed):
+        _triu_unpack_kernel[(dim, cdiv(dim, block))](packed, out, dim, float(scale), BLOCK=block)
+    return out
+
+
+def triu_pack_reference(matrix: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Row-major upper triangle of ``scale * matrix`` (computed in fp32), cast to ``dtype``."""
+    dim = matrix.shape[0]
+    rows, cols = torch.triu_indices(dim, dim, device=matrix.device)
+    return (matrix.to(torch.float32)[rows, cols] * scale).to(dtype)
+
+
+def triu_unpack_reference(packed: torch.Tensor, dim: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """The symmetric ``[dim, dim]`` matrix whose upper triangle is ``scale * packed``."""
+    out = torch.empty((dim, dim), dtype=torch.float32, device=packed.device)
+    rows, cols = torch.triu_indices(dim, dim, device=packed.device)
+    values = packed.to(torch.float32) * scale
+    out[rows, cols] = values
+    out[cols, rows] = values
+    return out.to(dtype)
