@@ -27,9 +27,19 @@ K-FAC (KAISA)
 ``eigen_inv_denominator``           that reciprocal, ``1 / (dG dA^T + damping)``
 ``triu_pack`` / ``triu_unpack``     upper-triangle packing with a dtype cast
 ==================================  ============================================
+
+FOSI / DHO2
+
+===============================  ===============================================
+``gram_schmidt_project``         fused Gram-Schmidt step of Lanczos (CGS2 for fp32)
+``gram_schmidt_coefficients``    its first half, ``basis[:r] @ h``
+``gram_schmidt_subtract``        its second half, ``h - basis[:r]^T coef`` and the norm
+``fosi_step``                    one FOSI update of a flat parameter buffer
+===============================  ===============================================
 """
 
 from tritonopt._ops.ef_topk import densify_blocks, ef_topk
+from tritonopt._ops.fosi_step import fosi_step
 from tritonopt._ops.kfac import (
     eigen_inv_denominator,
     eigenbasis_precondition,
@@ -37,6 +47,11 @@ from tritonopt._ops.kfac import (
     kfac_factor_update,
     triu_pack,
     triu_unpack,
+)
+from tritonopt._ops.lanczos import (
+    gram_schmidt_coefficients,
+    gram_schmidt_project,
+    gram_schmidt_subtract,
 )
 from tritonopt._ops.lowrank import lowrank_ef, lowrank_frobenius_products
 from tritonopt._ops.sparse_ring import densify_ring, sparse_lcg, sparse_ring_insert, sparse_sp
@@ -48,6 +63,10 @@ __all__ = [
     "eigen_inv_denominator",
     "eigenbasis_precondition",
     "eigenbasis_precondition_prediv",
+    "fosi_step",
+    "gram_schmidt_coefficients",
+    "gram_schmidt_project",
+    "gram_schmidt_subtract",
     "kfac_factor_update",
     "lowrank_ef",
     "lowrank_frobenius_products",

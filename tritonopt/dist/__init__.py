@@ -2,6 +2,9 @@
 
 ==========================  =====================================================
 ``KAISAPreconditioner``     K-FAC across ranks with KAISA's ``grad_worker_fraction``
+``distributed_lanczos``     Lanczos with the basis sharded by rows (DHO2 Alg. 2)
+``reconstruct_columns``     row shards to column shards with one ``all_to_all``
+``DHO2`` / ``MRDHO2``       distributed FOSI, and its accelerator/worker form
 ==========================  =====================================================
 
 Every layer uses ``torch.distributed`` collectives only (NCCL on GPU, gloo on
@@ -9,10 +12,16 @@ CPU), documents the collectives it issues and what each rank holds, and counts
 the bytes it sends and receives per collective kind.
 """
 
+from tritonopt.dist.dho2 import DHO2, MRDHO2
 from tritonopt.dist.kaisa import KAISAAssignment, KAISAPreconditioner, Strategy
+from tritonopt.dist.lanczos import distributed_lanczos, reconstruct_columns
 
 __all__ = [
+    "DHO2",
     "KAISAAssignment",
     "KAISAPreconditioner",
+    "MRDHO2",
     "Strategy",
+    "distributed_lanczos",
+    "reconstruct_columns",
 ]

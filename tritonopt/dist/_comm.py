@@ -108,7 +108,9 @@ class CountingCommunicator:
                 f"{input.numel()} elements, got {output.numel()}"
             )
         self._record(label, _nbytes(input), _nbytes(output) - _nbytes(input))
-        return dist.all_gather_into_tensor(output, input, group=self._group(group), async_op=async_op)
+        # Newer torch renames the collective and deprecates the old name; older torch has only the old one.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(output, input, group=self._group(group), async_op=async_op)
 
     def all_to_all_single(
         self,

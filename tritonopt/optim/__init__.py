@@ -1,6 +1,7 @@
 """``torch.optim``-style optimizers (and a K-FAC preconditioner) built on tritonopt's ops."""
 
 from tritonopt.optim._accounting import optimizer_state_bytes
+from tritonopt.optim.fosi import FOSI
 from tritonopt.optim.ggt import GGT, SparseGGT
 from tritonopt.optim.kfac import KFACPreconditioner, UnsupportedLayerError
 from tritonopt.optim.lowrank_mfac import LowRankMFAC
@@ -8,6 +9,7 @@ from tritonopt.optim.mfac import MFAC, SparseMFAC
 from tritonopt.optim.sparse_adagrad import SparseAdaGrad
 
 __all__ = [
+    "FOSI",
     "GGT",
     "KFACPreconditioner",
     "LowRankMFAC",

@@ -1,0 +1,221 @@
+"""Lanczos with full re-orthogonalisation, Ritz selection and Hessian-vector products (FOSI's ESE stage).
+
+Algorithm 1 of Gu et al. (FOSI's extreme spectrum estimation), written once
+for a row-sharded basis so the single-process and the distributed run
+(:mod:`tritonopt.dist.lanczos`, Algorithm 2) share every line:
+
+    D[0] = v1 / ||v1||,  v1 ~ N(0, I) from a seeded generator (identical on every rank)
+    for i in 0..m-1:
+        v      = D[i]                        (all_gather of the row shards)
+        h      = H v                         (hvp, full length on every rank)
+        B[i,i] = h . v                       (float64)
+        if i == m-1: stop                    (lines 7-12 would write past the end)
+        h      = h - D^T (D h), passes times (rows 0..i; Gram-Schmidt op per shard,
+                                              all_reduce of the coefficients between halves)
+        beta   = sqrt(all_reduce(||h_shard||^2))
+        if beta <= breakdown_rtol * ||H v||: stop (invariant subspace found)
+        B[i+1,i] = B[i,i+1] = beta;  D[i+1] = h / beta
+
+Ritz pairs: ``eigh(B)``; the ``l`` smallest and ``k`` largest eigenvalues (in
+that, ascending, order) and their vectors ``U_sel^T D``. Pairs with
+``|lambda| <= ritz_rtol * max|u|`` are dropped (their inverse would blow up the
+Newton step; the base optimizer handles those directions instead).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from tritonopt._ops.lanczos import gram_schmidt_project
+
+HVP = Callable[[torch.Tensor], torch.Tensor]
+
+
+def default_lanczos_iters(k: int, l: int, n: int) -> int:
+    """``m = max(4 (k + l), ceil(2 ln n))`` clamped to ``[1, n]`` (Gu et al. sec. II-B)."""
+    m = max(4 * (k + l), math.ceil(2.0 * math.log(max(n, 2))))
+    return max(1, min(m, n))
+
+
+def default_breakdown_rtol(dtype: torch.dtype) -> float:
+    return 1e3 * torch.finfo(dtype).eps
+
+
+@dataclass
+class LanczosResult:
+    """``basis``: ``[steps, n_c]`` rows of D (this rank's columns); ``tridiag``: ``[steps, steps]`` float64."""
+
+    basis: torch.Tensor
+    tridiag: torch.Tensor
+    steps: int
+    breakdown: bool
+
+
+def start_vector(n: int, seed: int) -> torch.Tensor:
+    """The unit Gaussian start vector (float64, CPU), identical for a given ``(n, seed)``."""
+    gen = torch.Generator().manual_seed(int(seed))
+    v = torch.randn(n, generator=gen, dtype=torch.float64)
+    return v / torch.linalg.vector_norm(v)
+
+
+def lanczos_loop(
+    hvp: HVP,
+    n: int,
+    num_iters: int,
+    *,
+    shard_start: int,
+    shard_len: int,
+    gather: Callable[[torch.Tensor], torch.Tensor],
+    project: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    breakdown_rtol: float,
+) -> LanczosResult:
+    """Algorithm 1/2 on the row shard ``[shard_start, shard_start + shard_len)`` of the padded vector.
+
+    ``gather(shard) -> padded full vector``; ``project(D, h_shard, rows) -> (h_shard, ||h||^2)``
+    with every needed reduction done inside (identity / all_reduce).
+    """
+    basis = torch.zeros((num_iters, shard_len), dtype=dtype, device=device)
+    tridiag = torch.zeros((num_iters, num_iters), dtype=torch.float64)
+    v1 = start_vector(n, seed)
+    first = torch.zeros(max(n, shard_start + shard_len), dtype=torch.float64)
+    first[:n] = v1
+    basis[0] = first[shard_start : shard_start + shard_len].to(device=device, dtype=dtype)
+    steps, breakdown = num_iters, False
+    for i in range(num_iters):
+        v = gather(basis[i])[:n]
+        h = hvp(v).to(device=device, dtype=dtype)
+        if h.shape != (n,):
+            raise ValueError(f"hvp must return a vector of {n} entries, got shape {tuple(h.shape)}")
+        if not bool(torch.isfinite(h).all()):
+            raise FloatingPointError("the Hessian-vector product holds NaN or inf")
+        tridiag[i, i] = torch.dot(h.double(), v.double()).cpu()
+        if i == num_iters - 1:
+            break
+        h_norm = float(torch.linalg.vector_norm(h.double()))
+        h_full = torch.zeros(max(n, shard_start + shard_len), dtype=dtype, device=device)
+        h_full[:n] = h
+        h_shard = h_full[shard_start : shard_start + shard_len].contiguous()
+        h_shard, sq_norm = project(basis, h_shard, i + 1)
+        beta = math.sqrt(max(float(sq_norm), 0.0))
+        if not math.isfinite(beta):
+            raise FloatingPointError("the Lanczos residual norm is not finite")
+        if beta <= breakdown_rtol * h_norm or beta == 0.0:
+            steps, breakdown = i + 1, True
+            break
+        tridiag[i + 1, i] = tridiag[i, i + 1] = beta
+        basis[i + 1] = h_shard / beta
+    return LanczosResult(basis[:steps], tridiag[:steps, :steps].clone(), steps, breakdown)
+
+
+def lanczos(
+    hvp: HVP,
+    n: int,
+    num_iters: int,
+    *,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+    passes: int = 2,
+    seed: int = 0,
+    breakdown_rtol: Optional[float] = None,
+) -> LanczosResult:
+    """Single-process Lanczos with full re-orthogonalisation (Gu et al. Alg. 1).
+
+    Args:
+        hvp: ``v -> H v`` on length-``n`` vectors (``v`` is given in ``dtype``;
+            the result is cast back to ``dtype``).
+        n: problem size; ``num_iters`` (``m``) is clamped to ``n``.
+        dtype: float64 (the FOSI reference) or float32 (use ``passes=2``).
+        passes: Gram-Schmidt rounds per iteration (1 = CGS as in the paper, 2 = CGS2).
+        seed: seeds the start vector.
+        breakdown_rtol: stop when ``beta <= breakdown_rtol * ||H v||``
+            (default ``1000 eps(dtype)``).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if isinstance(num_iters, bool) or not isinstance(num_iters, int) or num_iters < 1:
+        raise ValueError(f"num_iters must be an int >= 1, got {num_iters!r}")
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    device = torch.device(device)
+
+    def project(basis, h, rows):
+        h, _, sq_norm = gram_schmidt_project(basis, h, rows, passes)
+        return h, sq_norm
+
+    return lanczos_loop(
+        hvp, n, min(num_iters, n), shard_start=0, shard_len=n, gather=lambda x: x,
+        project=project, dtype=dtype, device=device, seed=seed,
+        breakdown_rtol=default_breakdown_rtol(dtype) if breakdown_rtol is None else breakdown_rtol,
+    )
+
+
+def select_ritz(
+    tridiag: torch.Tensor, k: int, l: int, ritz_rtol: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(eigenvalues [r], U_sel [steps, r])``: the ``l`` smallest then ``k`` largest Ritz values.
+
+    Fewer than ``k + l`` are returned when Lanczos stopped early or values are
+    too close to zero (``|lambda| <= ritz_rtol * max|u|``, or not finite).
+    """
+    values, vectors = torch.linalg.eigh(tridiag.double())
+    steps = values.shape[0]
+    k_kept = min(k, steps)
+    l_kept = min(l, steps - k_kept)
+    selected = list(range(l_kept)) + list(range(steps - k_kept, steps))
+    chosen = values[selected]
+    scale = float(values.abs().max()) if steps else 0.0
+    keep = torch.isfinite(chosen) & (chosen.abs() > max(ritz_rtol * scale, 1e-300))
+    index = torch.tensor(selected, dtype=torch.long)[keep]
+    return values[index], vectors[:, index]
+
+
+def ritz_vectors(basis: torch.Tensor, u_selected: torch.Tensor) -> torch.Tensor:
+    """``U_sel^T D`` (``[r, n_c]``, float32, contiguous) for this rank's columns of D."""
+    return (u_selected.to(device=basis.device, dtype=basis.dtype).T @ basis).to(torch.float32).contiguous()
+
+
+def make_hvp(params: Sequence[torch.Tensor], loss_fn: Callable[[], torch.Tensor]) -> HVP:
+    """Hessian-vector products of ``loss_fn()`` w.r.t. ``params`` by double backward.
+
+    ``loss_fn`` is evaluated once (one forward and a graph-keeping backward);
+    each product is one more backward through that graph. Vectors are flat in
+    ``params`` order, cast to each parameter's dtype.
+    """
+    params = list(params)
+    with torch.enable_grad():
+        loss = loss_fn()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("the curvature loss function must return a scalar tensor")
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+    numels = [p.numel() for p in params]
+    offsets = [0]
+    for k in numels:
+        offsets.append(offsets[-1] + k)
+
+    def hvp(v: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(offsets[-1], dtype=torch.float32, device=params[0].device)
+        if not live:
+            return out
+        pieces = [
+            v[offsets[i] : offsets[i + 1]].view(params[i].shape).to(device=params[i].device, dtype=params[i].dtype)
+            for i in live
+        ]
+        with torch.enable_grad():
+            products = torch.autograd.grad(
+                [grads[i] for i in live], [params[i] for i in live], grad_outputs=pieces,
+                retain_graph=True, allow_unused=True,
+            )
+        for i, hv in zip(live, products):
+            if hv is not None:
+                out[offsets[i] : offsets[i + 1]] = hv.reshape(-1).to(torch.float32)
+        return out
+
+    return hvp
