@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tritonopt-installed
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install test test-all demo experiments bench clean
 
 install: $(STAMP)
 
@@ -26,8 +26,20 @@ test-all: install
 demo: install
 	$(PY) perf/demo_digits.py
 
+# The papers' claims at CPU scale; each writes its table and plot under perf/results/.
+experiments: install
+	$(PY) perf/efcp_experiment.py
+	$(PY) perf/kfac_experiment.py
+	$(PY) perf/kaisa_tradeoff.py
+	$(PY) perf/fosi_experiment.py
+
+# Kernel benchmarks; on a machine without CUDA they time the torch reference only.
 bench: install
 	$(PY) perf/bench_ef_topk.py
+	$(PY) perf/bench_sparse_ring.py
+	$(PY) perf/bench_lowrank.py
+	$(PY) perf/bench_kfac.py
+	$(PY) perf/bench_lanczos.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

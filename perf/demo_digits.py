@@ -11,11 +11,10 @@ of the final training loss (whole training set), the test accuracy, the bytes
 of optimizer state and the wall time per step. A plot of the training loss per
 epoch is saved beside a CSV and a markdown table.
 
-An optimizer enters the comparison as a *builder*: a function
-``build(model, steps_per_epoch) -> TrainStep``, where a ``TrainStep`` is called
-as ``step(x, y, loss_fn) -> float`` (forward, backward and update; returns the
-batch loss) and has ``state_bytes() -> int``. :class:`OptimizerStep` adapts
-any ``torch.optim.Optimizer``.
+An optimizer enters the comparison as a *builder* (see ``perf/_digits.py``); the
+paper optimizers' builders live in their experiments (``efcp_experiment.py``,
+``kfac_experiment.py``, ``fosi_experiment.py``), which check the papers' claims
+with more seeds and baselines.
 """
 
 from __future__ import annotations
@@ -27,39 +26,29 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
 
 import tritonopt  # noqa: E402
-from tritonopt.optim import SparseAdaGrad, optimizer_state_bytes  # noqa: E402
+from tritonopt.optim import SparseAdaGrad  # noqa: E402
+
+# The experiments beside this file provide the builders of the paper optimizers.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _digits import (  # noqa: E402
+    Digits,
+    OptimizerStep,
+    TrainStep,
+    load_digits_split,
+    make_mlp,
+)
+from efcp_experiment import build_lowrank_mfac, build_mfac, build_sparse_mfac  # noqa: E402
+from fosi_experiment import build_fosi  # noqa: E402
+from kfac_experiment import build_kfac  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "demo"
-
-
-class TrainStep(Protocol):
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> float: ...
-
-    def state_bytes(self) -> int: ...
-
-
-class OptimizerStep:
-    """A ``TrainStep`` for any ``torch.optim.Optimizer`` over ``model``'s parameters."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def __call__(self, x, y, loss_fn) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(self.model(x), y)
-        loss.backward()
-        self.optimizer.step()
-        return loss.item()
-
-    def state_bytes(self) -> int:
-        return optimizer_state_bytes(self.optimizer)
 
 
 def build_sgd(model, steps_per_epoch):
@@ -79,38 +68,12 @@ BUILDERS: dict[str, Callable[[torch.nn.Module, int], TrainStep]] = {
     "SGD (momentum 0.9, lr 0.05)": build_sgd,
     "Adam (lr 1e-3)": build_adam,
     "SparseAdaGrad (1 %, lr 0.05)": build_sparse_adagrad,
+    "M-FAC (m 128, damp 0.03, lr 0.01)": build_mfac,
+    "S-MFAC (1 %, m 128, damp 0.03, lr 0.01)": build_sparse_mfac,
+    "LR-MFAC (rank 4, m 128, damp 0.03, lr 0.01)": build_lowrank_mfac,
+    "K-FAC (SGD momentum 0.9, lr 0.1, damping 0.3)": build_kfac,
+    "FOSI-Adam (lr 1e-3, k 10, α 0.1)": build_fosi,
 }
-
-
-@dataclass
-class Digits:
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-
-def load_digits_split(train_size: int = 1437) -> Digits:
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    x, y = x[order], y[order]
-    x_train, x_test = x[:train_size], x[train_size:]
-    mean, std = x_train.mean(0), x_train.std(0)
-    std = torch.where(std > 0, std, torch.ones_like(std))  # constant border pixels
-    return Digits((x_train - mean) / std, y[:train_size], (x_test - mean) / std, y[train_size:])
-
-
-def make_mlp(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 10),
-    )
 
 
 @dataclass
