@@ -10,6 +10,8 @@ only inside the functions that need them, so this module imports on any machine.
 
 from __future__ import annotations
 
+import argparse
+
 import csv
 import datetime
 import math
@@ -263,3 +265,25 @@ def plot_series(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def save_plot(rows: Sequence[Mapping[str, object]], path: Path | str, **kwargs) -> Path | None:
+    """:func:`plot_series`, saying where the plot went, or that matplotlib is missing (then ``None``)."""
+    try:
+        written = plot_series(rows, path, **kwargs)
+    except ImportError:
+        print("matplotlib is not installed: no plot written")
+        return None
+    print(f"wrote {written}")
+    return written
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type: a positive integer, also written as ``1e6``."""
+    try:
+        value = int(float(text)) if "e" in text.lower() else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value

@@ -196,16 +196,6 @@ def shape_table(rows: list[dict[str, object]], primary: str) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def density_fraction(text: str) -> float:
     try:
         value = float(text)
@@ -222,7 +212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "memory floor.",
     )
     parser.add_argument(
-        "--block-sizes", type=positive_int, nargs="+", default=list(DEFAULT_BLOCK_SIZES),
+        "--block-sizes", type=bench.positive_int, nargs="+", default=list(DEFAULT_BLOCK_SIZES),
         metavar="N", help="row lengths to sweep (default: %(default)s)",
     )
     parser.add_argument(
@@ -302,16 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     title = f"{OP}, grad {args.dtype}, density {args.density:g}, {bench.device_name()}"
     if not on_gpu:
         title += "\nCPU reference path: not representative of GPU speed"
-    try:
-        png_path = bench.plot_series(
-            rows, Path(out_dir) / f"{OP}.png", x="elements", y="gbps",
-            series=("provider", "block_size"), title=title,
-            xlabel="elements (num_blocks * block_size)", ylabel="GB/s on the floor's bytes",
-        )
-    except ImportError:
-        print("matplotlib is not installed: no plot written")
-    else:
-        print(f"wrote {png_path}")
+    bench.save_plot(
+        rows, Path(out_dir) / f"{OP}.png", x="elements", y="gbps",
+        series=("provider", "block_size"), title=title,
+        xlabel="elements (num_blocks * block_size)", ylabel="GB/s on the floor's bytes",
+    )
     return 0
 
 

@@ -272,14 +272,9 @@ def main(argv=None) -> int:
     title = f"{OP} ops, {args.precision}, {bench.device_name()}"
     if not on_gpu:
         title += "\nCPU reference path: not representative of GPU speed"
-    try:
-        png = bench.plot_series([r for r in rows if r["op"] != "train_step"], Path(out_dir) / f"{OP}.png",
-                                x="size", y="ms_p50", series=("provider", "op"), title=title,
-                                xlabel="largest dimension", ylabel="ms (median)")
-    except ImportError:
-        print("matplotlib is not installed: no plot written")
-    else:
-        print(f"wrote {png}")
+    bench.save_plot([r for r in rows if r["op"] != "train_step"], Path(out_dir) / f"{OP}.png",
+                    x="size", y="ms_p50", series=("provider", "op"), title=title,
+                    xlabel="largest dimension", ylabel="ms (median)")
     return 0
 
 

@@ -295,23 +295,13 @@ def op_table(rows: list[dict[str, object]], op: str, primary: str, rows_label: s
 # --------------------------------------------------------------------------- CLI
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(float(text)) if "e" in text.lower() else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Time tritonopt's gram_schmidt_project and fosi_step against plain-torch "
         "composites and their memory floors.",
     )
     parser.add_argument(
-        "--elements", type=positive_int, nargs="+", default=None, metavar="N",
+        "--elements", type=bench.positive_int, nargs="+", default=None, metavar="N",
         help="vector lengths n to sweep (default: 1e6 5e6 1e7 5e7 on a GPU, 1e5 1e6 on the CPU)",
     )
     parser.add_argument(
@@ -414,15 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         op_rows = [r for r in rows if r["op"] == op]
         if not op_rows:
             continue
-        try:
-            png_path = bench.plot_series(
-                op_rows, Path(out_dir) / filename, x="n", y="gbps", series=series,
-                title=title + suffix, xlabel="n (vector length)", ylabel="GB/s on the floor's bytes",
-            )
-        except ImportError:
-            print("matplotlib is not installed: no plot written")
+        if bench.save_plot(
+            op_rows, Path(out_dir) / filename, x="n", y="gbps", series=series,
+            title=title + suffix, xlabel="n (vector length)", ylabel="GB/s on the floor's bytes",
+        ) is None:
             break
-        print(f"wrote {png_path}")
     return 0
 
 

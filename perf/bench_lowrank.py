@@ -102,16 +102,12 @@ def main(argv=None) -> int:
     ))
     out_dir = args.out if args.out is not None else bench.default_results_dir()
     print(f"wrote {bench.write_results(rows, out_dir, OP)}")
-    try:
-        path = bench.plot_series(
-            rows, Path(out_dir) / f"{OP}.png", x="elements", y="gbps", series=("provider",),
-            title=f"lowrank_ef, rank {args.rank}, {bench.device_name()}"
-            + ("" if on_gpu else "\nCPU reference path: not representative of GPU speed"),
-            xlabel="elements (n * p)", ylabel="GB/s on the floor's bytes",
-        )
-        print(f"wrote {path}")
-    except ImportError:
-        print("matplotlib is not installed: no plot written")
+    bench.save_plot(
+        rows, Path(out_dir) / f"{OP}.png", x="elements", y="gbps", series=("provider",),
+        title=f"lowrank_ef, rank {args.rank}, {bench.device_name()}"
+        + ("" if on_gpu else "\nCPU reference path: not representative of GPU speed"),
+        xlabel="elements (n * p)", ylabel="GB/s on the floor's bytes",
+    )
     return 0
 
 

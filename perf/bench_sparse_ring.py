@@ -195,16 +195,12 @@ def main(argv=None) -> int:
     out_dir = args.out if args.out is not None else bench.default_results_dir()
     print(f"wrote {bench.write_results(rows, out_dir, OP)}")
     plotted = [r for r in rows if r["op"] in ("sp", "lcg")]
-    try:
-        path = bench.plot_series(
-            plotted, Path(out_dir) / f"{OP}.png", x="d", y="gbps", series=("provider", "op"),
-            title=f"sparse ring SP / LCG, m = {m}, {bench.device_name()}"
-            + ("" if on_gpu else "\nCPU reference path: not representative of GPU speed"),
-            xlabel="d (vector length)", ylabel="GB/s on the floor's bytes",
-        )
-        print(f"wrote {path}")
-    except ImportError:
-        print("matplotlib is not installed: no plot written")
+    bench.save_plot(
+        plotted, Path(out_dir) / f"{OP}.png", x="d", y="gbps", series=("provider", "op"),
+        title=f"sparse ring SP / LCG, m = {m}, {bench.device_name()}"
+        + ("" if on_gpu else "\nCPU reference path: not representative of GPU speed"),
+        xlabel="d (vector length)", ylabel="GB/s on the floor's bytes",
+    )
     return 0
 
 

@@ -59,7 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _digits import load_digits_split, make_mlp  # noqa: E402
+from _digits import OptimizerStep, load_digits_split, make_mlp  # noqa: E402
 from tritonopt.optim._accounting import optimizer_state_bytes  # noqa: E402
 from tritonopt.optim.kfac import KFACPreconditioner  # noqa: E402
 
@@ -99,22 +99,6 @@ class KFACStep:
 
     def state_bytes(self) -> int:
         return optimizer_state_bytes(self.optimizer) + self.preconditioner.memory_usage()["total"]
-
-
-class SGDStep:
-    def __init__(self, model: torch.nn.Module, lr: float, momentum: float = SGD_MOMENTUM):
-        self.model = model
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-
-    def __call__(self, x, y, loss_fn) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(self.model(x), y)
-        loss.backward()
-        self.optimizer.step()
-        return loss.item()
-
-    def state_bytes(self) -> int:
-        return optimizer_state_bytes(self.optimizer)
 
 
 def build_kfac(model: torch.nn.Module, steps_per_epoch: int) -> KFACStep:
@@ -286,7 +270,7 @@ def train_run(task: Task, kind: str, lr: float, seed: int, data, progress=None) 
     if kind == "kfac":
         step = KFACStep(model, lr=lr, **task.kfac_settings)
     else:
-        step = SGDStep(model, lr=lr)
+        step = OptimizerStep(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=SGD_MOMENTUM))
     batches = task.batches(len(labels), task.batch_size, torch.Generator().manual_seed(1000 + seed))
     run = Run(kind, lr, seed)
 

@@ -11,7 +11,13 @@ from tritonopt._runtime import nvtx_range
 from tritonopt.optim._blocks import BlockLayout
 from tritonopt.optim._mfac_common import PackedGroup, WindowedPreconditioner, check_number
 from tritonopt.optim._mfac_core import ggt_coefficients, update_dots
-from tritonopt.optim.mfac import check_sparse_group, compress_into_ring, sparse_ring_state
+from tritonopt.optim.mfac import (
+    check_sparse_group,
+    compress_into_ring,
+    dense_ring_state,
+    insert_dense,
+    sparse_ring_state,
+)
 
 __all__ = ["GGT", "SparseGGT"]
 
@@ -60,25 +66,14 @@ class GGT(WindowedPreconditioner):
         check_number("eps", group["eps"], low_open=True)
 
     def _init_ring(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
-        m = group["ngrads"]
-        return {
-            "ring_grads": torch.zeros((m, layout.total), dtype=dtype, device=layout.device),
-            "dots": torch.zeros((m, m), dtype=torch.float64, device=layout.device),
-            "ring_slot": 0,
-            "ring_filled": 0,
-        }
+        return dense_ring_state(group, layout, dtype)
 
     def _direction(self, group: dict, packed: PackedGroup, ring: dict) -> torch.Tensor:
         eps = group["eps"]
         g = packed.grad.view(-1)
         window = ring["ring_grads"]
-        slot = self._advance(ring)
-        with nvtx_range("tritonopt/ggt/insert"):
-            window[slot].copy_(g)
-        with nvtx_range("tritonopt/ggt/sp"):
-            products = window @ g
+        products = insert_dense(self.ALGO, ring, self._advance(ring), g)
         with nvtx_range("tritonopt/ggt/solve"):
-            update_dots(ring["dots"], slot, products)
             weights = ggt_coefficients(ring["dots"], products, eps)
         with nvtx_range("tritonopt/ggt/lcg"):
             update = (g / eps).add_(weights.to(window.dtype) @ window)

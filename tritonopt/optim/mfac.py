@@ -69,25 +69,14 @@ class MFAC(WindowedPreconditioner):
         check_number("damp", group["damp"], low_open=True)
 
     def _init_ring(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
-        m = group["ngrads"]
-        return {
-            "ring_grads": torch.zeros((m, layout.total), dtype=dtype, device=layout.device),
-            "dots": torch.zeros((m, m), dtype=torch.float64, device=layout.device),
-            "ring_slot": 0,
-            "ring_filled": 0,
-        }
+        return dense_ring_state(group, layout, dtype)
 
     def _direction(self, group: dict, packed: PackedGroup, ring: dict) -> torch.Tensor:
         damp = group["damp"]
         g = packed.grad.view(-1)
         window = ring["ring_grads"]
-        slot = self._advance(ring)
-        with nvtx_range("tritonopt/mfac/insert"):
-            window[slot].copy_(g)
-        with nvtx_range("tritonopt/mfac/sp"):
-            products = window @ g
+        products = insert_dense(self.ALGO, ring, self._advance(ring), g)
         with nvtx_range("tritonopt/mfac/solve"):
-            update_dots(ring["dots"], slot, products)
             weights = mfac_coefficients(ring["dots"], products, damp)
         with nvtx_range("tritonopt/mfac/lcg"):
             update = (g / damp).sub_(weights.to(window.dtype) @ window)
@@ -179,6 +168,28 @@ class SparseMFAC(WindowedPreconditioner):
 
 
 # --------------------------------------------------------------------------- shared with S-GGT
+
+
+def dense_ring_state(group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
+    """The dense window of M-FAC/GGT: ``m`` full gradients, their float64 Gram matrix, the ring position."""
+    m = group["ngrads"]
+    return {
+        "ring_grads": torch.zeros((m, layout.total), dtype=dtype, device=layout.device),
+        "dots": torch.zeros((m, m), dtype=torch.float64, device=layout.device),
+        "ring_slot": 0,
+        "ring_filled": 0,
+    }
+
+
+def insert_dense(algo: str, ring: dict, slot: int, g: torch.Tensor) -> torch.Tensor:
+    """Writes ``g`` into row ``slot`` of the dense window; returns ``window @ g`` with the Gram matrix updated."""
+    window = ring["ring_grads"]
+    with nvtx_range(f"tritonopt/{algo}/insert"):
+        window[slot].copy_(g)
+    with nvtx_range(f"tritonopt/{algo}/sp"):
+        products = window @ g
+        update_dots(ring["dots"], slot, products)
+    return products
 
 
 def check_sparse_group(group: dict) -> None:
