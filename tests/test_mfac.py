@@ -144,6 +144,27 @@ def test_literal_recursion_equals_the_closed_form(damp):
     torch.testing.assert_close(ihvp, naive_woodbury_inverse(window, damp) @ x, rtol=1e-9, atol=1e-9)
 
 
+def test_gram_matrix_indefinite_by_rounding_still_gives_a_finite_solve():
+    # Rows 0 and 1 are equal, so the exact Gram matrix is singular; an error of
+    # -1e-3 along its null direction makes damp * m + dots indefinite for a small damp.
+    gen = torch.Generator().manual_seed(9)
+    window = torch.randn(4, 30, generator=gen, dtype=torch.float64)
+    window[1] = window[0]
+    dots = window @ window.T
+    direction = torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=torch.float64) / 2**0.5
+    dots -= 1e-3 * torch.outer(direction, direction)
+    damp, m = 1e-6, 4
+    assert torch.linalg.cholesky_ex(dots + damp * m * torch.eye(m, dtype=torch.float64)).info != 0
+    products = window @ torch.randn(30, generator=gen, dtype=torch.float64)
+    w = mfac_coefficients(dots, products, damp)
+    assert torch.isfinite(w).all()
+    # Clamping the spectrum at damp * m restores the exact system, whose Gram matrix is
+    # singular along `direction` only; `products` has no component there.
+    exact = window @ window.T + damp * m * torch.eye(m, dtype=torch.float64)
+    expected = torch.linalg.solve(exact, products) / damp
+    torch.testing.assert_close(w, expected, rtol=1e-8, atol=1e-8 * float(expected.abs().max()))
+
+
 # --------------------------------------------------------------------------- S-MFAC
 
 

@@ -47,9 +47,16 @@ def mfac_coefficients(dots: torch.Tensor, products: torch.Tensor, damp: float) -
     """
     m = dots.shape[0]
     system = dots.to(torch.float64) + (damp * m) * torch.eye(m, dtype=torch.float64, device=dots.device)
-    factor = torch.linalg.cholesky(system)
     rhs = products.to(torch.float64).unsqueeze(1)
-    return torch.cholesky_solve(rhs, factor).squeeze(1) / damp
+    factor, info = torch.linalg.cholesky_ex(system)
+    if int(info) == 0:
+        return torch.cholesky_solve(rhs, factor).squeeze(1) / damp
+    # The Gram matrix is assembled from rounded scalar products, so with a tiny
+    # damp it can be indefinite by a rounding error. The exact system's spectrum
+    # is bounded below by damp * m: solve in its eigenbasis with that bound.
+    eigenvalues, eigenvectors = torch.linalg.eigh(system)
+    eigenvalues = eigenvalues.clamp_min(damp * m)
+    return (eigenvectors @ ((eigenvectors.T @ rhs).squeeze(1) / eigenvalues)) / damp
 
 
 def ggt_coefficients(dots: torch.Tensor, products: torch.Tensor, eps: float) -> torch.Tensor:
