@@ -50,7 +50,8 @@ def _check_ef_topk_args(
         raise ValueError("error must be contiguous: it is updated in place")
     if error.requires_grad:
         raise ValueError("error must not require grad: it is updated in place")
-    if check_overlap and grad.numel() and error.numel():
+    # While torch.compile traces, tensors are fake and have no address; the op re-checks at run time.
+    if check_overlap and grad.numel() and error.numel() and not torch.compiler.is_compiling():
         g_start, g_end = _memory_span(grad)
         e_start, e_end = _memory_span(error)
         if g_start < e_end and e_start < g_end:
@@ -121,7 +122,10 @@ def densify_blocks(indices: torch.Tensor, values: torch.Tensor, block_size: int)
         raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < indices.shape[1]:
         raise ValueError(f"block_size must be an int >= k={indices.shape[1]}, got {block_size!r}")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= block_size):
+    # A value check cannot be traced by torch.compile; scatter_ still bounds-checks there.
+    if indices.numel() and not torch.compiler.is_compiling() and (
+        int(indices.min()) < 0 or int(indices.max()) >= block_size
+    ):
         raise ValueError(f"indices must lie in [0, {block_size})")
     dense = torch.zeros(
         (indices.shape[0], block_size), dtype=torch.float32, device=values.device

@@ -100,7 +100,7 @@ def _check_fosi_args(
         (name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
         for name, t in buffers
         if t is not None and t.numel() and t.device.type != "meta"
-    ]
+    ] if not torch.compiler.is_compiling() else []  # traced tensors have no address; re-checked at run time
     for i, (name_i, start_i, end_i) in enumerate(spans):
         for name_j, start_j, end_j in spans[i + 1 :]:
             if start_i < end_j and start_j < end_i:

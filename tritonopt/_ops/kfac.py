@@ -59,8 +59,8 @@ def _same_device(reference_name: str, reference: torch.Tensor, **others: torch.T
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors view one storage (conservative: any shared storage counts)."""
-    if not a.numel() or not b.numel():
-        return False
+    if not a.numel() or not b.numel() or torch.compiler.is_compiling():
+        return False  # while torch.compile traces, tensors have no address; the op re-checks at run time
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
