@@ -13,14 +13,14 @@ Two tasks, both on the digits that ship with scikit-learn (nothing is downloaded
   sigmoid output), MSE loss, batches of 128 drawn with replacement, 1,000
   iterations, the full-data MSE every 10; targets MSE <= 0.03 and <= 0.02.
   K-FAC: factors every step, eigendecompositions every 10, damping 0.03,
-  decay 0.95, KL clip 1e-3. LR grids: SGD {1, 3, 5, 7, 10}, K-FAC {0.1, 0.3, 1, 3}.
+  decay 0.95, KL clip 1e-3. LR grids: SGD {1, 3, 5, 7, 10}, K-FAC {0.1, 0.3, 1, 3, 10}.
 * ``classifier`` (secondary): the demo's task (``perf/_digits.py``: 1,437
   standardised training images, a 64-256-256-10 ReLU MLP), batches of 32 in
   shuffled epochs, cross-entropy, 300 iterations, the training-set loss every 5;
   targets 0.1, 0.05, 0.02. K-FAC: eigendecompositions every 5, damping 0.3
   (0.003 reaches low losses early and then diverges: with a mean-reduced loss G
   is tiny, so the step is close to ``grad / damping`` in most directions).
-  LR grids: SGD {0.02, 0.03, 0.05, 0.1}, K-FAC {0.03, 0.1, 0.3}.
+  LR grids: SGD {0.02, 0.03, 0.05, 0.1}, K-FAC {0.03, 0.1, 0.3, 1}.
 
 Every configuration runs once per seed; a seed fixes the initial weights and the
 batch order, so SGD and K-FAC see the same ones. The metric is the first logged
@@ -181,7 +181,7 @@ AUTOENCODER = Task(
     # some seeds, so the best stable SGD may lie between 5 and 10: a denser grid only makes the
     # baseline stronger.
     sgd_lrs=(1.0, 3.0, 5.0, 7.0, 10.0),
-    kfac_lrs=(0.1, 0.3, 1.0, 3.0),
+    kfac_lrs=(0.1, 0.3, 1.0, 3.0, 10.0),
     recommended_sgd_lrs=(1.0, 3.0, 5.0, 10.0),
     kfac_settings=AUTOENCODER_KFAC_SETTINGS,
     make_model=make_autoencoder,
@@ -211,7 +211,7 @@ CLASSIFIER = Task(
     batch_size=32,
     targets=(0.1, 0.05, 0.02),
     sgd_lrs=(0.02, 0.03, 0.05, 0.1),
-    kfac_lrs=(0.03, 0.1, 0.3),
+    kfac_lrs=(0.03, 0.1, 0.3, 1.0),
     kfac_settings=KFAC_SETTINGS,
     make_model=make_mlp,
     load_data=load_classifier_data,
