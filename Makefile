@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tritonopt-installed
 
-.PHONY: install test test-all demo experiments bench clean
+.PHONY: install test test-all demo experiments bench autotune clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ bench: install
 	$(PY) perf/bench_lowrank.py
 	$(PY) perf/bench_kfac.py
 	$(PY) perf/bench_lanczos.py
+
+# Warm Triton's autotune cache for real model shapes (GPU) and record the chosen configs.
+autotune: install
+	$(PY) perf/autotune.py --model resnet18 bert-base
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

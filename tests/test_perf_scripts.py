@@ -44,3 +44,28 @@ def test_bench_ef_topk_smoke_writes_results(tmp_path):
     if not torch.cuda.is_available():
         assert "no CUDA device" in output
         assert "triton" not in {row["provider"] for row in rows}, "CPU numbers labelled as Triton"
+
+
+def test_autotune_smoke_runs_every_workload(tmp_path):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "perf" / "autotune.py"), "--smoke", "--model", "resnet18", "bert-base",
+         "--out", str(tmp_path)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    import json
+
+    for model in ("resnet18", "bert-base"):
+        with (tmp_path / f"autotune_{model}.csv").open(newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        ops = {row["op"] for row in rows}
+        assert {"ef_topk", "sparse_sp", "sparse_lcg", "sparse_ring_insert", "kfac_factor_update",
+                "eigenbasis_precondition", "lowrank_ef", "gram_schmidt_project", "fosi_step"} <= ops
+        assert all(float(row["ms_p50"]) > 0 for row in rows)
+        record = json.loads((tmp_path / f"autotune_{model}.json").read_text())
+        assert record["workloads"] and record["tuned"] == torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in output
