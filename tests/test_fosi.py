@@ -157,23 +157,67 @@ def test_nonfinite_gradients_skip_or_raise_before_any_change():
         assert torch.equal(flat(model), before[0])
 
 
-def test_overflowing_update_follows_the_nonfinite_policy():
+def _state_snapshot(opt):
+    state = copy.deepcopy(opt.state_dict())
+    return state["state"], state["fosi"]["base_step"]
+
+
+def _assert_same_state(a, b):
+    (state_a, step_a), (state_b, step_b) = a, b
+    assert step_a == step_b and state_a.keys() == state_b.keys()
+    for key in state_a:
+        for name, value in state_a[key].items():
+            other = state_b[key][name]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, name
+
+
+def test_overflowing_update_is_undone_under_either_policy():
     model, loss_fn = make_problem()
     opt = FOSI(model.parameters(), lr=1e-2, k=2, curvature_loss_fn=loss_fn, num_lanczos_iters=8,
                eigenvalue_floor=0.0, on_nonfinite="raise")
     with tritonopt.use_backend("reference"):
         train(model, opt, loss_fn, 1)
         opt.eigenvalues = torch.full_like(opt.eigenvalues, 1e-45)  # alpha / lambda overflows
-        before = flat(model)
+        opt.all_eigenvalues = opt.eigenvalues.clone()
+        before, state_before = flat(model), _state_snapshot(opt)
         opt.zero_grad()
         loss_fn().backward()
         with pytest.raises(FloatingPointError, match="NaN or inf"):
             opt.step()
         assert torch.equal(flat(model), before)
+        _assert_same_state(_state_snapshot(opt), state_before)
         opt.on_nonfinite = "skip"
-        with pytest.warns(RuntimeWarning, match="state advanced"):
+        with pytest.warns(RuntimeWarning, match="undone"):
             opt.step()
         assert torch.equal(flat(model), before) and opt.skipped_steps == 1
+        _assert_same_state(_state_snapshot(opt), state_before)
+
+
+@pytest.mark.parametrize("base", ["adam", "heavy_ball"])
+def test_huge_finite_gradient_changes_nothing(base):
+    # 1e25 is finite in float32, but its square (Adam's second moment) is not.
+    model, loss_fn = make_problem()
+    opt = FOSI(model.parameters(), lr=1e-2, base=base, k=2, curvature_loss_fn=loss_fn,
+               num_lanczos_iters=8)
+    with tritonopt.use_backend("reference"):
+        train(model, opt, loss_fn, 2)
+        before, state_before = flat(model), _state_snapshot(opt)
+        opt.zero_grad()
+        loss_fn().backward()
+        for p in model.parameters():
+            p.grad.mul_(1e25 / p.grad.abs().max().clamp_min(1e-30))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        if base == "adam":
+            assert opt.skipped_steps == 1 and any("undone" in str(w.message) for w in caught)
+        assert torch.isfinite(flat(model)).all()
+        if opt.skipped_steps:
+            assert torch.equal(flat(model), before)
+            _assert_same_state(_state_snapshot(opt), state_before)
+        # Training goes on from an uncorrupted state.
+        train(model, opt, loss_fn, 2)
+        assert torch.isfinite(flat(model)).all()
 
 
 def test_load_state_dict_validates_before_changing_anything():

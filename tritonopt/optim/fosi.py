@@ -30,6 +30,10 @@ from tritonopt.optim._lanczos import (
 )
 
 _NONFINITE_POLICIES = ("skip", "raise")
+# A finite gradient can still overflow the update (g2 squared in Adam, a huge Newton
+# step). While a bound on every intermediate stays below this, none can reach inf in
+# float32, so the base optimizer's state is copied (to undo a failed step) only above it.
+_OVERFLOW_GUARD = 1e15
 _BASE_STATE = {"adam": ("exp_avg", "exp_avg_sq"), "heavy_ball": ("momentum_buffer",), "sgd": ()}
 
 
@@ -132,10 +136,11 @@ class FOSI(Optimizer):
         on_nonfinite: non-finite gradients: ``"skip"`` (default: nothing
             changes, a warning, :attr:`skipped_steps` counts it) or ``"raise"``
             (``FloatingPointError``, nothing changes). An ESE whose Hessian
-            products are not finite keeps the previous curvature and warns. An
-            update that turns non-finite although the gradient is finite (an
-            overflowing Newton step) leaves the parameters unchanged, but the
-            base optimizer's state has advanced; it warns (``"skip"``) or raises.
+            products are not finite keeps the previous curvature and warns. A
+            finite gradient large enough that the update could overflow (a
+            bound on it exceeds 1e15) makes the step copy the base optimizer's
+            state first; if the parameters or that state turn non-finite, the
+            step is undone and counted like a non-finite gradient.
 
     State (per parameter, float32, views of flat buffers): ``exp_avg`` and
     ``exp_avg_sq`` (Adam) or ``momentum_buffer`` (heavy-ball), and
@@ -486,7 +491,8 @@ class FOSI(Optimizer):
         with nvtx_range("tritonopt/fosi/pack"):
             packed.layout.pack([p.grad for p in params], packed.grad.view(1, -1))
         self._reduce_gradient(packed.grad)
-        if not bool(torch.isfinite(packed.grad).all()):
+        grad_max = float(packed.grad.abs().amax())  # NaN or inf if any entry is (one host sync)
+        if not math.isfinite(grad_max):
             if self.on_nonfinite == "raise":
                 raise FloatingPointError("FOSI: a gradient holds NaN or inf; nothing was modified")
             self.skipped_steps += 1
@@ -496,13 +502,23 @@ class FOSI(Optimizer):
         if self._curvature_due():
             self.update_curvature(self.curvature_loss_fn)
         packed.layout.pack(params, packed.weights.view(1, -1))
-        self.base_step += 1
         group = self.param_groups[0]
+        saved = self._save_state_if_overflow_possible(packed, group, grad_max)
+        self.base_step += 1
         self._apply_update(packed, group)
-        if not bool(torch.isfinite(packed.weights).all()):
-            # The base optimizer's state (and its step count) already advanced on the finite g2.
-            message = ("FOSI: the update produced NaN or inf (finite gradient: an overflowing Newton "
-                       "step?); the parameters were left unchanged, the base optimizer's state advanced")
+        # On a risky step the state is checked too: Adam's second moment can overflow to
+        # inf while the update it divides stays finite, freezing those coordinates for good.
+        checked = [packed.weights] + ([live for live, _ in saved] if saved is not None else [])
+        if not all(bool(torch.isfinite(t).all()) for t in checked):
+            if saved is not None:
+                for live, copy in saved:
+                    live.copy_(copy)
+                self.base_step -= 1
+                message = ("FOSI: the update overflowed to NaN or inf (a finite but huge gradient); "
+                           "the step was undone: parameters and state are unchanged")
+            else:  # not expected below _OVERFLOW_GUARD; the state can no longer be restored
+                message = ("FOSI: the update produced NaN or inf; the parameters were left unchanged, "
+                           "the base optimizer's state advanced")
             if self.on_nonfinite == "raise":
                 raise FloatingPointError(message)
             self.skipped_steps += 1
@@ -513,6 +529,21 @@ class FOSI(Optimizer):
                 p.copy_(value)
         self.step_count += 1
         return loss
+
+    def _save_state_if_overflow_possible(self, packed: _Packed, group: dict, grad_max: float):
+        """Copies of the state the update changes in place, or None when it cannot overflow.
+
+        Rows of ``V`` are orthonormal, so ``|g2_i| <= (1 + sqrt(n)) max|g|`` and the Newton
+        step is at most ``max|s| sqrt(n) max|g|``; the learning rate scales the base step.
+        """
+        # Every Ritz value, not this rank's share: distributed ranks must decide alike.
+        scale = self.newton_scale(self.all_eigenvalues)
+        scale_max = float(scale.abs().max()) if scale.numel() else 0.0
+        bound = grad_max * (1.0 + math.sqrt(packed.layout.total)) * max(1.0, scale_max, group["lr"])
+        if bound < _OVERFLOW_GUARD:
+            return None
+        live = [t for t in (packed.state_a, packed.state_b, self.g1_velocity) if t is not None]
+        return [(t, t.clone()) for t in live]
 
     def _base_hyper(self, group: dict) -> dict:
         beta1 = group["momentum"] if self.base == "heavy_ball" else group["betas"][0]
