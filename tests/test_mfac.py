@@ -328,21 +328,27 @@ def test_parameters_without_grad_keep_their_value_and_state():
 
 @pytest.mark.parametrize("cls", [MFAC, SparseMFAC])
 @pytest.mark.parametrize("policy", ["skip", "raise"])
-def test_nonfinite_gradient_changes_nothing(cls, policy):
+@pytest.mark.parametrize("problem", ["nonfinite", "huge"])
+def test_nonfinite_or_huge_gradient_changes_nothing(cls, policy, problem):
     params = make_params(SHAPES)
     opt = cls(params, lr=0.1, ngrads=3, damp=0.1, momentum=0.5, on_nonfinite=policy)
     run_steps(params, opt, gradient_stream(SHAPES, 2))
     before = copy.deepcopy(opt.state_dict())
     values = [p.detach().clone() for p in params]
     bad = gradient_stream(SHAPES, 1, seed=9)[0]
-    bad[2][0, 1, 2] = math.nan if policy == "skip" else -math.inf
+    if problem == "nonfinite":
+        bad[2][0, 1, 2] = math.nan if policy == "skip" else -math.inf
+        message = "NaN or inf"
+    else:  # finite, but its square overflows float32 in the scalar products
+        bad[2][0, 1, 2] = 1e30
+        message = "too large"
     set_grads(params, bad)
     if policy == "skip":
-        with pytest.warns(RuntimeWarning, match="skipped"):
+        with pytest.warns(RuntimeWarning, match=message):
             opt.step()
         assert opt.skipped_steps == 1
     else:
-        with pytest.raises(FloatingPointError, match="NaN or inf"):
+        with pytest.raises(FloatingPointError, match=message):
             opt.step()
     for p, v in zip(params, values):
         assert torch.equal(p.detach(), v)
