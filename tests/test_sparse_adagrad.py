@@ -224,7 +224,8 @@ def test_padding_never_reaches_parameters():
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
-def test_nonfinite_gradient_changes_nothing(policy):
+@pytest.mark.parametrize("problem", ["nonfinite", "huge"])
+def test_nonfinite_or_huge_gradient_changes_nothing(policy, problem):
     first, second = make_params([(6,)], seed=1), make_params([(9,)], seed=2)
     opt = SparseAdaGrad(
         [{"params": first}, {"params": second}], lr=0.1, density=0.5, block_size=4,
@@ -236,14 +237,18 @@ def test_nonfinite_gradient_changes_nothing(policy):
     before = copy.deepcopy(opt.state_dict())
     values = [p.detach().clone() for p in first + second]
     bad = torch.randn(9, generator=gen)
-    bad[4] = math.nan if policy == "skip" else math.inf
+    if problem == "nonfinite":
+        bad[4] = math.nan if policy == "skip" else math.inf
+    else:  # finite, but its square overflows the float32 AdaGrad sum
+        bad[4] = 1e30
+    message = "NaN or inf" if problem == "nonfinite" else "too large"
     set_grads(first + second, [torch.randn(6, generator=gen), bad])
     if policy == "skip":
-        with pytest.warns(RuntimeWarning, match="skipped"):
+        with pytest.warns(RuntimeWarning, match=message):
             opt.step()
         assert opt.skipped_steps == 1
     else:
-        with pytest.raises(FloatingPointError, match="NaN or inf"):
+        with pytest.raises(FloatingPointError, match=message):
             opt.step()
     for p, v in zip(first + second, values):
         assert torch.equal(p.detach(), v)

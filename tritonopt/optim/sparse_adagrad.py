@@ -52,6 +52,10 @@ def _check_hyperparameters(group: dict) -> None:
         raise ValueError(f"density must be a number in (0, 1], got {density!r}")
 
 
+# Squares of entries below this, summed over many steps, stay far from float32's 3.4e38.
+_MAX_GRADIENT_ENTRY = 1e17
+
+
 class SparseAdaGrad(Optimizer):
     r"""Diagonal AdaGrad on an error-feedback, blockwise Top-k compressed gradient.
 
@@ -231,16 +235,18 @@ class SparseAdaGrad(Optimizer):
                 work.append((group, params, packed))
         if not work:
             return loss
-        finite = torch.stack([torch.isfinite(packed.grad).all().cpu() for _, _, packed in work])
-        if not bool(finite.all()):
+        # NaN and inf propagate into the maximum (one host sync). Above _MAX_GRADIENT_ENTRY
+        # the squares summed into the AdaGrad state could overflow float32.
+        largest = float(torch.stack([packed.grad.abs().amax() for _, _, packed in work]).max())
+        if not largest < _MAX_GRADIENT_ENTRY:
+            problem = ("a gradient holds NaN or inf" if not math.isfinite(largest) else
+                       f"a gradient entry of {largest:.3g} is too large for the float32 state")
             if self.on_nonfinite == "raise":
-                raise FloatingPointError(
-                    "SparseAdaGrad: a gradient holds NaN or inf; nothing was modified"
-                )
+                raise FloatingPointError(f"SparseAdaGrad: {problem}; nothing was modified")
             self.skipped_steps += 1
             warnings.warn(
-                "SparseAdaGrad: a gradient holds NaN or inf; the step was skipped and "
-                "parameters and state are unchanged",
+                f"SparseAdaGrad: {problem}; the step was skipped and parameters and state "
+                "are unchanged",
                 RuntimeWarning,
                 stacklevel=2,
             )
