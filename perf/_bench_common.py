@@ -15,6 +15,7 @@ import argparse
 import csv
 import datetime
 import math
+import os
 import platform
 import re
 import subprocess
@@ -148,7 +149,12 @@ def triton_version() -> str:
 
 
 def git_sha(repo_root: Path = REPO_ROOT) -> str:
-    """Short commit hash of the checkout the numbers come from, ``"unknown"`` if there is none."""
+    """Short commit hash of the checkout the numbers come from, ``"unknown"`` if there is none.
+
+    ``TRITONOPT_GIT_SHA`` names it where the tree was copied without its ``.git``.
+    """
+    if os.environ.get("TRITONOPT_GIT_SHA"):
+        return os.environ["TRITONOPT_GIT_SHA"].strip()
     try:
         result = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
