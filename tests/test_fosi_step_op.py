@@ -207,10 +207,11 @@ def test_aliasing_buffers_are_rejected():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(backend):
     p = problem(300, 3, 6)
-    args = (p["w"].clone(), p["g"], p["basis"], p["scale"], p["a"].clone(), p["b"].clone(), torch.zeros(3),
-            "adam", 0.01, 0.9, 0.999, 1e-8, 1, 1.0, 0.9, 0.1)
+    args = (p["w"].clone(), p["g"], p["basis"], p["scale"])
+    kwargs = dict(state_a=p["a"].clone(), state_b=p["b"].clone(), g1_velocity=torch.zeros(3), base="adam",
+                  lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, step=1, base_scale=1.0, g1_decay=0.9, g1_gain=0.1)
     with tritonopt.use_backend(backend):
-        torch.library.opcheck(torch.ops.tritonopt.fosi_step, args)
+        torch.library.opcheck(torch.ops.tritonopt.fosi_step, args, kwargs)
 
 
 @pytest.mark.gpu

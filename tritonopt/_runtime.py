@@ -203,8 +203,11 @@ def _nvtx_module():
 def nvtx_range(name: str) -> contextlib.AbstractContextManager:
     """A named NVTX range (``tritonopt/<algo>/<phase>``) or a no-op without the ``nvtx`` package.
 
-    ``torch.cuda.nvtx`` is not used: it raises on CPU builds of torch.
+    ``torch.cuda.nvtx`` is not used: it raises on CPU builds of torch. While
+    ``torch.compile`` traces, no range is opened: it would not be part of the graph.
     """
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     nvtx = _nvtx_module()
     if nvtx is None:
         return contextlib.nullcontext()

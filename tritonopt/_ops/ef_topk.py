@@ -1,81 +1,23 @@
-"""The ``tritonopt::ef_topk`` custom op: validation, registration and dispatch.
-
-Kernels and the reference live in :mod:`tritonopt.kernels.ef_topk`.
-"""
+"""``ef_topk`` and ``densify_blocks``: declarations (kernels and reference: :mod:`tritonopt.kernels.ef_topk`)."""
 
 from __future__ import annotations
 
 import torch
 
-from tritonopt._runtime import nvtx_range, select_backend
-from tritonopt.kernels import ef_topk as _ef_topk_kernels
+from tritonopt._ops._registry import define_op
+from tritonopt._validation import (
+    FLOAT_DTYPES,
+    check_disjoint,
+    check_int,
+    check_same_device,
+    check_tensor,
+)
+from tritonopt.kernels import ef_topk as _kernels
 
 __all__ = ["ef_topk", "densify_blocks"]
 
-_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-
-def _memory_span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _check_ef_topk_args(
-    grad: torch.Tensor, error: torch.Tensor, k: int, *, check_overlap: bool = True
-) -> None:
-    if not isinstance(grad, torch.Tensor):
-        raise TypeError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
-    if not isinstance(error, torch.Tensor):
-        raise TypeError(f"error must be a torch.Tensor, got {type(error).__name__}")
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
-    if grad.dim() != 2:
-        raise ValueError(f"grad must be 2-D [num_blocks, block_size], got shape {tuple(grad.shape)}")
-    if error.shape != grad.shape:
-        raise ValueError(
-            f"error must have grad's shape {tuple(grad.shape)}, got {tuple(error.shape)}"
-        )
-    if grad.dtype not in _GRAD_DTYPES:
-        raise TypeError(f"grad must be float32, float16 or bfloat16, got {grad.dtype}")
-    if error.dtype != torch.float32:
-        raise TypeError(f"error must be float32, got {error.dtype}")
-    block_size = grad.shape[1]
-    if not 1 <= k <= block_size:
-        raise ValueError(f"k must satisfy 1 <= k <= block_size={block_size}, got k={k}")
-    if error.device != grad.device:
-        raise ValueError(f"error is on {error.device} but grad is on {grad.device}")
-    if not grad.is_contiguous():
-        raise ValueError("grad must be contiguous (call .contiguous())")
-    if not error.is_contiguous():
-        raise ValueError("error must be contiguous: it is updated in place")
-    if error.requires_grad:
-        raise ValueError("error must not require grad: it is updated in place")
-    # While torch.compile traces, tensors are fake and have no address; the op re-checks at run time.
-    if check_overlap and grad.numel() and error.numel() and not torch.compiler.is_compiling():
-        g_start, g_end = _memory_span(grad)
-        e_start, e_end = _memory_span(error)
-        if g_start < e_end and e_start < g_end:
-            raise ValueError("grad and error must not share memory: error is updated in place")
-
-
-@torch.library.custom_op("tritonopt::ef_topk", mutates_args=("error",))
-def _ef_topk_op(grad: torch.Tensor, error: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_ef_topk_args(grad, error, k)
-    with nvtx_range("tritonopt/ef_topk"):
-        if select_backend(grad.device) == "triton":
-            return _ef_topk_kernels.ef_topk_triton(grad, error, k)
-        return _ef_topk_kernels.ef_topk_reference(grad, error, k)
-
-
-@_ef_topk_op.register_fake
-def _ef_topk_fake(grad, error, k):
-    _check_ef_topk_args(grad, error, k, check_overlap=False)  # fake tensors have no storage
-    num_blocks = grad.shape[0]
-    indices = grad.new_empty((num_blocks, k), dtype=torch.int32)
-    values = grad.new_empty((num_blocks, k), dtype=torch.float32)
-    return indices, values
-
-
+@define_op("ef_topk", mutates_args=("error",))
 def ef_topk(grad: torch.Tensor, error: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise Top-k with error feedback; ``error`` is updated in place.
 
@@ -102,32 +44,46 @@ def ef_topk(grad: torch.Tensor, error: torch.Tensor, k: int) -> tuple[torch.Tens
     Raises:
         TypeError / ValueError: naming the offending argument, before anything is modified.
     """
-    _check_ef_topk_args(grad, error, k)  # before the dispatcher's own, terser, type checks
-    return torch.ops.tritonopt.ef_topk(grad, error, k)
+    check_tensor("grad", grad, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("error", error, shape=grad.shape, dtypes=(torch.float32,))
+    check_int("k", k, low=1, high=grad.shape[1])
+    check_same_device("grad", grad, error=error)
+    check_tensor("grad", grad, contiguous=True)
+    check_tensor("error", error, updated_in_place=True)
+    check_disjoint({"grad": grad, "error": error}, updated=("error",))
 
 
+@ef_topk.register_fake
+def _(grad, error, k):
+    return grad.new_empty((grad.shape[0], k), dtype=torch.int32), grad.new_empty((grad.shape[0], k), dtype=torch.float32)
+
+
+ef_topk.register_backends(triton=_kernels.ef_topk_triton, reference=_kernels.ef_topk_reference)
+
+
+@define_op("densify_blocks", composite=True)
 def densify_blocks(indices: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
     """The dense ``[num_blocks, block_size]`` float32 tensor holding ``values`` at ``indices``.
 
     The inverse of :func:`ef_topk`'s compression; positions not listed are zero.
+    ``indices`` is int32 or int64 ``[num_blocks, k]`` with entries in
+    ``[0, block_size)``; ``values`` has its shape.
     """
-    if not isinstance(indices, torch.Tensor) or not isinstance(values, torch.Tensor):
-        raise TypeError("indices and values must be torch.Tensors")
-    if indices.dim() != 2 or indices.shape != values.shape:
-        raise ValueError(
-            f"indices and values must be 2-D of one shape, got {tuple(indices.shape)} "
-            f"and {tuple(values.shape)}"
-        )
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < indices.shape[1]:
-        raise ValueError(f"block_size must be an int >= k={indices.shape[1]}, got {block_size!r}")
-    # A value check cannot be traced by torch.compile; scatter_ still bounds-checks there.
-    if indices.numel() and not torch.compiler.is_compiling() and (
+    check_tensor("indices", indices, ndim=2, dtypes=(torch.int32, torch.int64))
+    check_tensor("values", values, shape=indices.shape)
+    check_int("block_size", block_size, low=max(1, indices.shape[1]))
+    check_same_device("indices", indices, values=values)
+    # A value check reads the data: not while torch.compile traces (scatter_ still bounds-checks),
+    # and not on meta tensors, which have none.
+    if indices.numel() and indices.device.type != "meta" and not torch.compiler.is_compiling() and (
         int(indices.min()) < 0 or int(indices.max()) >= block_size
     ):
         raise ValueError(f"indices must lie in [0, {block_size})")
-    dense = torch.zeros(
-        (indices.shape[0], block_size), dtype=torch.float32, device=values.device
-    )
+
+
+def _densify_blocks(indices: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
+    dense = torch.zeros((indices.shape[0], block_size), dtype=torch.float32, device=values.device)
     return dense.scatter_(1, indices.long(), values.to(torch.float32))
+
+
+densify_blocks.register_backends(reference=_densify_blocks)
