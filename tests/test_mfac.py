@@ -14,7 +14,7 @@ import tritonopt
 from tritonopt._ops.sparse_ring import densify_ring
 from tritonopt.optim.ggt import SparseGGT
 from tritonopt.optim.mfac import MFAC, SparseMFAC
-from tritonopt.optim._mfac_core import mfac_coefficients
+from tritonopt.optim._window_algebra import mfac_coefficients
 
 needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]

@@ -1,4 +1,10 @@
-"""The small dense algebra of windowed preconditioners: M-FAC coefficients and GGT's eigenbasis.
+"""The ``m x m`` algebra of the windowed preconditioners: the Gram matrix and the combination weights.
+
+Every windowed preconditioner applies ``u = x / scale + z @ G`` to a vector
+``x``, with ``G`` the window (``[m, d]``) and ``z`` (``[m]``) computed here in
+float64 from the Gram matrix ``dots = G G^T`` and the products ``s = G x``:
+:func:`mfac_weights` for M-FAC (``scale`` = the dampening), :func:`ggt_weights`
+for GGT (``scale`` = eps).
 
 M-FAC (Frantar et al. 2021; EFCP sec. 2.2, eq. 2). With ``m`` stored gradients
 ``G`` (``[m, d]``, unwritten rows zero) and dampening ``lam``, the empirical
@@ -33,7 +39,7 @@ import torch
 _FLOAT64_EPS = torch.finfo(torch.float64).eps
 
 
-def update_dots(dots: torch.Tensor, slot: int, products: torch.Tensor) -> None:
+def update_gram(dots: torch.Tensor, slot: int, products: torch.Tensor) -> None:
     """Row and column ``slot`` of the Gram matrix become ``products`` (the new row's SP)."""
     products = products.to(dots.dtype)
     dots[slot, :] = products
@@ -59,7 +65,12 @@ def mfac_coefficients(dots: torch.Tensor, products: torch.Tensor, damp: float) -
     return (eigenvectors @ ((eigenvectors.T @ rhs).squeeze(1) / eigenvalues)) / damp
 
 
-def ggt_coefficients(dots: torch.Tensor, products: torch.Tensor, eps: float) -> torch.Tensor:
+def mfac_weights(dots: torch.Tensor, products: torch.Tensor, damp: float) -> torch.Tensor:
+    """``z = -w``: M-FAC's ``F^{-1} x = x / damp + z @ G`` (see :func:`mfac_coefficients`)."""
+    return mfac_coefficients(dots, products, damp).neg_()
+
+
+def ggt_weights(dots: torch.Tensor, products: torch.Tensor, eps: float) -> torch.Tensor:
     """``z`` with ``((G^T G)^{1/2} + eps I)^{-1} x = x / eps + z @ G``, from ``dots = G G^T``, ``products = G x``."""
     m = dots.shape[0]
     eigenvalues, eigenvectors = torch.linalg.eigh(dots.to(torch.float64))

@@ -6,18 +6,9 @@ from typing import Iterable
 
 import torch
 
-from tritonopt._ops.sparse_ring import sparse_lcg, sparse_sp
-from tritonopt._runtime import nvtx_range
-from tritonopt.optim._blocks import BlockLayout
-from tritonopt.optim._mfac_common import PackedGroup, WindowedPreconditioner, check_number
-from tritonopt.optim._mfac_core import ggt_coefficients, update_dots
-from tritonopt.optim.mfac import (
-    check_sparse_group,
-    compress_into_ring,
-    dense_ring_state,
-    insert_dense,
-    sparse_ring_state,
-)
+from tritonopt.optim._window_algebra import ggt_weights
+from tritonopt.optim._windows import DenseWindow, SparseWindow
+from tritonopt.optim.windowed import WindowedPreconditioner
 
 __all__ = ["GGT", "SparseGGT"]
 
@@ -36,7 +27,7 @@ class GGT(WindowedPreconditioner):
     which equals ``U diag(1/(sigma + eps) - 1/eps) U^T g + g / eps`` with
     ``U = G^T V diag(1/sigma)`` (the reference's form) without building ``U``.
     Directions with a numerically zero eigenvalue are dropped (see
-    :mod:`tritonopt.optim._mfac_core`).
+    :mod:`tritonopt.optim._window_algebra`).
 
     Args:
         lr: learning rate (the published run uses 1.0 with a cosine schedule).
@@ -46,6 +37,9 @@ class GGT(WindowedPreconditioner):
     """
 
     ALGO = "ggt"
+    WINDOW = DenseWindow
+    WEIGHTS = staticmethod(ggt_weights)
+    SCALE = "eps"
 
     def __init__(
         self,
@@ -60,24 +54,6 @@ class GGT(WindowedPreconditioner):
     ):
         defaults = dict(lr=lr, ngrads=ngrads, eps=eps, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults, on_nonfinite)
-
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
-        check_number("eps", group["eps"], low_open=True)
-
-    def _init_ring(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
-        return dense_ring_state(group, layout, dtype)
-
-    def _direction(self, group: dict, packed: PackedGroup, ring: dict) -> torch.Tensor:
-        eps = group["eps"]
-        g = packed.grad.view(-1)
-        window = ring["ring_grads"]
-        products = insert_dense(self.ALGO, ring, self._advance(ring), g)
-        with nvtx_range("tritonopt/ggt/solve"):
-            weights = ggt_coefficients(ring["dots"], products, eps)
-        with nvtx_range("tritonopt/ggt/lcg"):
-            update = (g / eps).add_(weights.to(window.dtype) @ window)
-        return update.view_as(packed.grad)
 
 
 class SparseGGT(WindowedPreconditioner):
@@ -97,8 +73,9 @@ class SparseGGT(WindowedPreconditioner):
     """
 
     ALGO = "sparse_ggt"
-    BLOCKWISE = True
-    ERROR_FEEDBACK = True
+    WINDOW = SparseWindow
+    WEIGHTS = staticmethod(ggt_weights)
+    SCALE = "eps"
 
     def __init__(
         self,
@@ -121,26 +98,3 @@ class SparseGGT(WindowedPreconditioner):
             values_dtype=values_dtype,
         )
         super().__init__(params, defaults, on_nonfinite)
-
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
-        check_number("eps", group["eps"], low_open=True)
-        check_sparse_group(group)
-
-    def _init_ring(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
-        return sparse_ring_state(group, layout)
-
-    def _direction(self, group: dict, packed: PackedGroup, ring: dict) -> torch.Tensor:
-        eps = group["eps"]
-        compressed = compress_into_ring(self.ALGO, group, packed, ring, self._advance(ring))
-        with nvtx_range("tritonopt/sparse_ggt/sp"):
-            products = sparse_sp(ring["ring_indices"], ring["ring_values"], compressed.dense)
-        with nvtx_range("tritonopt/sparse_ggt/solve"):
-            update_dots(ring["dots"], compressed.slot, products)
-            weights = ggt_coefficients(ring["dots"], products, eps)
-        with nvtx_range("tritonopt/sparse_ggt/lcg"):
-            combination = sparse_lcg(
-                ring["ring_indices"], ring["ring_values"], weights.to(torch.float32),
-                packed.layout.block_size,
-            )
-            return (compressed.dense / eps).add_(combination)

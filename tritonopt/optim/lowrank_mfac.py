@@ -6,19 +6,13 @@ from typing import Iterable
 
 import torch
 
-from tritonopt._ops.lowrank import lowrank_ef, lowrank_frobenius_products
-from tritonopt._runtime import nvtx_range
+from tritonopt._validation import check_int
 from tritonopt.optim._blocks import BlockLayout
-from tritonopt.optim._mfac_common import PackedGroup, WindowedPreconditioner, check_int, check_number
-from tritonopt.optim._mfac_core import mfac_coefficients, update_dots
+from tritonopt.optim._window_algebra import mfac_weights
+from tritonopt.optim._windows import LowRankWindow
+from tritonopt.optim.windowed import WindowedPreconditioner
 
 __all__ = ["LowRankMFAC"]
-
-
-def _unfolded_shape(p: torch.Tensor) -> tuple[int, int]:
-    """``[n, p]`` with ``n = shape[0]``; a 1-D tensor is ``[n, 1]`` (stored uncompressed)."""
-    n = p.shape[0] if p.dim() else 1
-    return n, (p.numel() // n if n else 0)
 
 
 class LowRankMFAC(WindowedPreconditioner):
@@ -56,7 +50,9 @@ class LowRankMFAC(WindowedPreconditioner):
     """
 
     ALGO = "lowrank_mfac"
-    ERROR_FEEDBACK = True
+    WINDOW = LowRankWindow
+    WEIGHTS = staticmethod(mfac_weights)
+    SCALE = "damp"
     FREEZE_BY_ZERO_ACCUMULATOR = False
 
     def __init__(
@@ -79,82 +75,5 @@ class LowRankMFAC(WindowedPreconditioner):
         )
         super().__init__(params, defaults, on_nonfinite)
 
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
-        check_number("damp", group["damp"], low_open=True)
-        check_int("rank", group["rank"])
-
-    def _work_dtype(self, params):
-        return torch.float32
-
-    def _init_ring(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
-        m, rank = group["ngrads"], group["rank"]
-        gen = torch.Generator().manual_seed(self._seed)
-        for p in layout.tensors:
-            state = self.state[p]
-            n, cols = _unfolded_shape(p)
-            compressed = p.dim() >= 2
-            if "lowrank_q" not in state:
-                f32 = dict(dtype=torch.float32)  # whatever torch's default dtype is
-                q = (torch.randn((cols, rank), generator=gen, **f32) if compressed
-                     else torch.zeros((1, rank), **f32))
-                state["lowrank_q"] = q.to(p.device)
-                state["ring_p"] = torch.zeros((m, n, rank), device=p.device, **f32)
-                state["ring_q"] = torch.zeros((m, cols if compressed else 1, rank), device=p.device, **f32)
-            expected = (m, n, rank)
-            if tuple(state["ring_p"].shape) != expected:
-                raise ValueError(
-                    f"state 'ring_p' has shape {tuple(state['ring_p'].shape)}, expected {expected}; "
-                    "were ngrads or rank changed?"
-                )
-        return {
-            "dots": torch.zeros((m, m), dtype=torch.float64, device=layout.device),
-            "ring_slot": 0,
-            "ring_filled": 0,
-        }
-
-    def _direction(self, group: dict, packed: PackedGroup, ring: dict) -> torch.Tensor:
-        damp = group["damp"]
-        layout = packed.layout
-        params = layout.tensors
-        slot = self._advance(ring)
-        m = ring["dots"].shape[0]
-        products = torch.zeros(m, dtype=torch.float64, device=layout.device)
-        grads, errors = layout.views(packed.grad), layout.views(packed.error)
-        with nvtx_range("tritonopt/lowrank_mfac/compress"):
-            for p, active, g, e in zip(params, packed.active, grads, errors):
-                state = self.state[p]
-                if not active:  # stores a zero row; its own state is left alone
-                    state["ring_p"][slot].zero_()
-                    state["ring_q"][slot].zero_()
-                    continue
-                n, cols = _unfolded_shape(p)
-                if p.dim() >= 2:
-                    factor_p, factor_q = lowrank_ef(g.view(n, cols), e.view(n, cols), state["lowrank_q"])
-                    state["lowrank_q"].copy_(factor_q)
-                else:
-                    factor_p, factor_q = lowrank_ef(g.reshape(-1), e.reshape(-1), state["lowrank_q"])
-                state["ring_p"][slot].copy_(factor_p)
-                state["ring_q"][slot].copy_(factor_q)
-        with nvtx_range("tritonopt/lowrank_mfac/sp"):
-            for p in params:
-                state = self.state[p]
-                products += lowrank_frobenius_products(
-                    state["ring_p"], state["ring_q"], state["ring_p"][slot], state["ring_q"][slot]
-                ).double()
-        with nvtx_range("tritonopt/lowrank_mfac/solve"):
-            update_dots(ring["dots"], slot, products)
-            weights = mfac_coefficients(ring["dots"], products, damp).to(torch.float32)
-        direction = torch.zeros_like(packed.grad)
-        with nvtx_range("tritonopt/lowrank_mfac/lcg"):
-            for p, out in zip(params, layout.views(direction)):
-                state = self.state[p]
-                ring_p, ring_q = state["ring_p"], state["ring_q"]
-                rank = ring_p.shape[2]
-                n = ring_p.shape[1]
-                # sum_j w_j P_j Q_j^T as one GEMM over the concatenated factors [n, m r] x [m r, p]
-                left = (ring_p * weights.view(m, 1, 1)).permute(1, 0, 2).reshape(n, m * rank)
-                right = ring_q.permute(1, 0, 2).reshape(ring_q.shape[1], m * rank)
-                new = ring_p[slot] @ ring_q[slot].T / damp
-                out.view(n, -1).copy_(new - left @ right.T)
-        return direction
+    def _initial_window(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
+        return LowRankWindow.initial_state(self.state, group, layout, dtype, seed=self._seed)

@@ -1,0 +1,222 @@
+"""The packed-group core that every tritonopt optimizer stands on.
+
+Optimizers here see a parameter group as one flat vector: the group's tensors,
+flattened in order, laid end to end and cut into blocks
+(:class:`~tritonopt.optim._blocks.BlockLayout`). Their state lives in a few
+flat buffers of that layout, and each parameter's ``optimizer.state`` entries
+are views of its slice, so the kernels run once per group while
+``state_dict()`` stays per parameter, as ``torch.optim`` expects.
+
+:class:`PackedOptimizer` holds what the optimizers share around that:
+
+* the non-finite policy: ``on_nonfinite="skip"`` warns, changes nothing and
+  counts the step in ``skipped_steps``; ``"raise"`` raises
+  ``FloatingPointError``, also before anything changes;
+* argument checks of parameters and gradients, run before any state changes;
+* checkpoints that keep every tensor's saved dtype (the base class would cast
+  float state to the parameter's dtype) and carry ``skipped_steps``;
+* copies: ``copy.deepcopy`` and ``pickle`` keep every attribute; the flat
+  buffers are rebuilt from the per-parameter state at the next step;
+* :meth:`PackedOptimizer.state_bytes`: the bytes of the state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from tritonopt._validation import check_choice
+from tritonopt.optim._accounting import optimizer_state_bytes
+from tritonopt.optim._blocks import BlockLayout
+
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+class PackedGroup:
+    """One group's flat buffers: ``state`` ones (per-parameter views live in the optimizer's state)
+    and ``work`` ones (scratch, such as the packed gradient). Read either as an attribute."""
+
+    def __init__(self, layout: BlockLayout, state: dict[str, torch.Tensor], work: dict[str, torch.Tensor]):
+        self.layout = layout
+        self.state = state
+        self.work = work
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        for buffers in (self.__dict__.get("state", {}), self.__dict__.get("work", {})):
+            if name in buffers:
+                return buffers[name]
+        raise AttributeError(f"the packed group has no buffer {name!r}")
+
+
+def bind_flat_state(
+    state: dict, layout: BlockLayout, names: Sequence[str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """One zeroed flat buffer per name; each parameter's ``state[p][name]`` becomes a view of its slice.
+
+    A parameter that already holds ``name`` (a loaded checkpoint, a copied
+    optimizer) has it copied into the buffer first; its shape must be the
+    parameter's.
+    """
+    buffers = {name: layout.zeros(dtype) for name in names}
+    for name, buffer in buffers.items():
+        for p, view in zip(layout.tensors, layout.views(buffer)):
+            entry = state[p]
+            if name in entry:
+                if not isinstance(entry[name], torch.Tensor) or entry[name].shape != p.shape:
+                    shape = getattr(entry[name], "shape", None)
+                    raise ValueError(
+                        f"state {name!r} has shape {tuple(shape) if shape is not None else type(entry[name]).__name__} "
+                        f"but its parameter has shape {tuple(p.shape)}"
+                    )
+                view.copy_(entry[name])
+            entry[name] = view
+    return buffers
+
+
+class PackedOptimizer(Optimizer):
+    """Base class of the tritonopt optimizers (see the module docstring).
+
+    Subclasses implement :meth:`_check_group` (hyperparameters of one group,
+    also run on a loaded state dict) and keep their flat buffers in
+    ``self._packed`` (a dict; cleared whenever the per-parameter state is
+    replaced).
+    """
+
+    def __init__(self, params: Iterable, defaults: dict, on_nonfinite: str = "skip"):
+        check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        self._check_group(defaults)
+        self.on_nonfinite = on_nonfinite
+        self.skipped_steps = 0
+        self._packed: dict = {}
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_group(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+            self._check_params(group["params"])
+        except Exception:
+            self.param_groups.pop()  # a rejected group leaves the optimizer as it was
+            raise
+
+    def _check_params(self, params: Sequence[torch.Tensor]) -> None:
+        name = type(self).__name__
+        for p in params:
+            if p.is_complex():
+                raise ValueError(f"{name} does not support complex parameters")
+            if not p.is_floating_point():
+                raise ValueError(f"{name} needs floating-point parameters, got {p.dtype}")
+            if p.device != params[0].device:
+                raise ValueError(
+                    f"all parameters of a group must be on one device, found {params[0].device} and {p.device}"
+                )
+
+    def _check_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Gradients the optimizer can use: dense, real, shaped like their parameter."""
+        name = type(self).__name__
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients")
+            if p.grad.is_complex():
+                raise RuntimeError(f"{name} does not support complex gradients")
+            if p.grad.shape != p.shape:
+                raise RuntimeError(
+                    f"a gradient has shape {tuple(p.grad.shape)} but its parameter has shape {tuple(p.shape)}"
+                )
+
+    # ------------------------------------------------------------------ the non-finite policy
+
+    def _refuse_step(self, problem: str) -> None:
+        """Apply ``on_nonfinite`` to a step that must not happen; nothing has been modified."""
+        name = type(self).__name__
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(f"{name}: {problem}; nothing was modified")
+        self.skipped_steps += 1
+        warnings.warn(
+            f"{name}: {problem}; the step was skipped and parameters and state are unchanged",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    # ------------------------------------------------------------------ checkpoints and copies
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["skipped_steps"] = self.skipped_steps
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        skipped = state_dict.pop("skipped_steps", 0)
+        saved_state = state_dict["state"]
+        for group in state_dict["param_groups"]:
+            self._check_group({**self.defaults, **group})
+        saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        super().load_state_dict(state_dict)
+        # The base class casts float state to the parameter's dtype; keep the saved dtypes.
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            for name, value in saved_state.get(saved_id, {}).items():
+                if isinstance(value, torch.Tensor):
+                    device = value.device if name == "step" else p.device
+                    self.state[p][name] = value.to(device=device, copy=True)
+        self.skipped_steps = int(skipped)
+        self._packed.clear()
+
+    def __getstate__(self) -> dict:
+        # torch's Optimizer keeps only defaults, state and param_groups; every attribute is
+        # kept here, and the flat buffers are dropped: the per-parameter state has them.
+        state = dict(self.__dict__)
+        state["_packed"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._packed = {}
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's state tensors, each storage counted once."""
+        return optimizer_state_bytes(self)
+
+
+def float_state_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
+    """float64 when every parameter is float64 (their state keeps that precision), else float32."""
+    return torch.float64 if params and all(p.dtype == torch.float64 for p in params) else torch.float32
+
+
+def apply_decoupled_update(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    lr: float,
+    weight_decay: float,
+    active: Optional[Sequence[bool]] = None,
+) -> None:
+    """``p = (1 - lr * weight_decay) * p - lr * update`` for each active parameter, rounded once.
+
+    ``updates`` are views shaped like the parameters (possibly wider dtypes);
+    a parameter narrower than its update is computed in the wider dtype and
+    rounded once to its own.
+    """
+    for i, (p, update) in enumerate(zip(params, updates)):
+        if active is not None and not active[i]:
+            continue
+        wide = torch.promote_types(p.dtype, update.dtype)
+        if p.dtype == wide:
+            if weight_decay:
+                p.mul_(1 - lr * weight_decay)
+            p.sub_(update, alpha=lr)
+        else:
+            p_wide = p.to(wide)
+            if weight_decay:
+                p_wide.mul_(1 - lr * weight_decay)
+            p.copy_(p_wide.sub_(update, alpha=lr))

@@ -1,0 +1,233 @@
+"""Where a windowed preconditioner keeps its last ``m`` gradients: dense rows, a sparse ring, low-rank factors.
+
+A window holds ``G`` (``[m, d]``) and its Gram matrix ``dots = G G^T`` (float64),
+in the state of the group's first parameter, with ``ring_slot`` (the next row
+to overwrite) and ``ring_filled``. Each step it
+
+1. stores the step's vector ``x`` in row ``slot`` (``insert``) and returns
+   ``x`` (as a dense ``[num_blocks, block_size]`` tensor, ``None`` for the
+   low-rank window) and the products ``s = G x``;
+2. after the preconditioner has turned ``dots`` and ``s`` into the weights
+   ``z``, forms ``u = x / scale + z @ G`` (``combine``), ``slot`` being the row
+   just written.
+
+=================  ==========================================  ==================
+window             ``x``                                       ``z @ G``
+=================  ==========================================  ==================
+``DenseWindow``    the packed gradient                         a GEMV
+``SparseWindow``   error feedback + blockwise Top-k of it      ``sparse_lcg``
+                   (EFCP Alg. 1), stored as ``ef_topk`` rows
+``LowRankWindow``  per tensor, ``lowrank_ef``'s ``P Q^T``       one GEMM per tensor
+                   (EFCP App. I)
+=================  ==========================================  ==================
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tritonopt._runtime import nvtx_range
+from tritonopt._validation import check_bool, check_int
+from tritonopt.ops import (
+    ef_topk,
+    lowrank_ef,
+    lowrank_frobenius_products,
+    sparse_lcg,
+    sparse_ring_insert,
+    sparse_sp,
+)
+from tritonopt.optim._blocks import BlockLayout, kept_per_block
+from tritonopt.optim._packed import PackedGroup
+
+VALUE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _gram_state(m: int, device: torch.device) -> dict:
+    return {"dots": torch.zeros((m, m), dtype=torch.float64, device=device), "ring_slot": 0, "ring_filled": 0}
+
+
+class DenseWindow:
+    """``m`` full gradients as the rows of ``ring_grads`` (``[m, d]``, float32; float64 for float64 models)."""
+
+    BLOCKWISE = False
+    ERROR_FEEDBACK = False
+    KEEPS_FLOAT64 = True  # float64 parameters keep float64 rows (to check the algebra exactly)
+
+    @staticmethod
+    def check_group(group: dict) -> None:
+        pass
+
+    @staticmethod
+    def initial_state(state: dict, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
+        m = group["ngrads"]
+        return {"ring_grads": torch.zeros((m, layout.total), dtype=dtype, device=layout.device),
+                **_gram_state(m, layout.device)}
+
+    @staticmethod
+    def insert(algo: str, state: dict, group: dict, packed: PackedGroup, active: Sequence[bool], slot: int):
+        ring = state[packed.layout.tensors[0]]
+        window, g = ring["ring_grads"], packed.grad.view(-1)
+        with nvtx_range(f"tritonopt/{algo}/insert"):
+            window[slot].copy_(g)
+        with nvtx_range(f"tritonopt/{algo}/sp"):
+            products = window @ g
+        return packed.grad, products
+
+    @staticmethod
+    def combine(state: dict, group: dict, packed: PackedGroup, x, weights: torch.Tensor, scale: float, slot: int):
+        window = state[packed.layout.tensors[0]]["ring_grads"]
+        g = x.view(-1)
+        return (g / scale).add_(weights.to(window.dtype) @ window).view_as(packed.grad)
+
+
+class SparseWindow:
+    """Error-feedback Top-k rows in the block-major sparse ring ``ring_indices``/``ring_values`` (``[num_blocks, m, k]``).
+
+    ``x = c``, the compressed accumulator exactly as the ring stores it: with
+    bfloat16 values the selected entries are rounded first and the rounding
+    residual joins the error (``a == stored row + e``), so ``dots`` stays the
+    Gram matrix of the stored rows. ``error_feedback=False`` keeps ``e = 0``.
+    """
+
+    BLOCKWISE = True
+    ERROR_FEEDBACK = True
+    KEEPS_FLOAT64 = False
+
+    @staticmethod
+    def check_group(group: dict) -> None:
+        density = group["density"]
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+            raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+        check_int("block_size", group["block_size"], low=1)
+        check_bool("error_feedback", group["error_feedback"])
+        if group["values_dtype"] not in VALUE_DTYPES:
+            raise ValueError(f"values_dtype must be torch.float32 or torch.bfloat16, got {group['values_dtype']!r}")
+
+    @staticmethod
+    def initial_state(state: dict, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
+        m = group["ngrads"]
+        k = kept_per_block(group["density"], None, layout.block_size)
+        shape = (layout.num_blocks, m, k)
+        return {
+            "ring_indices": torch.zeros(shape, dtype=torch.int32, device=layout.device),
+            "ring_values": torch.zeros(shape, dtype=group["values_dtype"], device=layout.device),
+            **_gram_state(m, layout.device),
+        }
+
+    @staticmethod
+    def insert(algo: str, state: dict, group: dict, packed: PackedGroup, active: Sequence[bool], slot: int):
+        ring = state[packed.layout.tensors[0]]
+        indices_ring, values_ring = ring["ring_indices"], ring["ring_values"]
+        with nvtx_range(f"tritonopt/{algo}/compress"):
+            error = packed.error if group["error_feedback"] else torch.zeros_like(packed.grad)
+            indices, values = ef_topk(packed.grad, error, indices_ring.shape[2])
+            if values_ring.dtype != torch.float32:
+                stored = values.to(values_ring.dtype).to(torch.float32)
+                error.scatter_(1, indices.long(), values - stored)
+                values = stored
+            compressed = torch.zeros_like(packed.grad).scatter_(1, indices.long(), values)
+        with nvtx_range(f"tritonopt/{algo}/insert"):
+            sparse_ring_insert(indices_ring, values_ring, slot, indices, values)
+        with nvtx_range(f"tritonopt/{algo}/sp"):
+            products = sparse_sp(indices_ring, values_ring, compressed)
+        return compressed, products
+
+    @staticmethod
+    def combine(state: dict, group: dict, packed: PackedGroup, x, weights: torch.Tensor, scale: float, slot: int):
+        ring = state[packed.layout.tensors[0]]
+        combination = sparse_lcg(
+            ring["ring_indices"], ring["ring_values"], weights.to(torch.float32), packed.layout.block_size
+        )
+        return (x / scale).add_(combination)
+
+
+def unfolded_shape(p: torch.Tensor) -> tuple[int, int]:
+    """``[n, p]`` with ``n = shape[0]``; a 1-D tensor is ``[n, 1]`` (stored uncompressed)."""
+    n = p.shape[0] if p.dim() else 1
+    return n, (p.numel() // n if n else 0)
+
+
+class LowRankWindow:
+    """Per tensor ``l`` (unfolded to ``[n_l, p_l]``), rank-``r`` factors ``ring_p`` ``[m, n_l, r]`` and
+    ``ring_q`` ``[m, p_l, r]`` of each stored gradient, and the warm start ``lowrank_q``.
+
+    The products add the per-tensor Frobenius products, so the preconditioner
+    sees the whole compressed gradient (EFCP's "global" LR-MFAC). 1-D tensors
+    are stored exactly, with no error feedback (EFCP App. I).
+    """
+
+    BLOCKWISE = False
+    ERROR_FEEDBACK = True
+    KEEPS_FLOAT64 = False
+
+    @staticmethod
+    def check_group(group: dict) -> None:
+        check_int("rank", group["rank"], low=1)
+
+    @staticmethod
+    def initial_state(state: dict, group: dict, layout: BlockLayout, dtype: torch.dtype, *, seed: int = 0) -> dict:
+        m, rank = group["ngrads"], group["rank"]
+        gen = torch.Generator().manual_seed(seed)
+        for p in layout.tensors:
+            entry = state[p]
+            n, cols = unfolded_shape(p)
+            compressed = p.dim() >= 2
+            if "lowrank_q" not in entry:
+                f32 = dict(dtype=torch.float32)  # whatever torch's default dtype is
+                q = torch.randn((cols, rank), generator=gen, **f32) if compressed else torch.zeros((1, rank), **f32)
+                entry["lowrank_q"] = q.to(p.device)
+                entry["ring_p"] = torch.zeros((m, n, rank), device=p.device, **f32)
+                entry["ring_q"] = torch.zeros((m, cols if compressed else 1, rank), device=p.device, **f32)
+            expected = (m, n, rank)
+            if tuple(entry["ring_p"].shape) != expected:
+                raise ValueError(
+                    f"state 'ring_p' has shape {tuple(entry['ring_p'].shape)}, expected {expected}; "
+                    "were ngrads or rank changed?"
+                )
+        return _gram_state(m, layout.device)
+
+    @staticmethod
+    def insert(algo: str, state: dict, group: dict, packed: PackedGroup, active: Sequence[bool], slot: int):
+        layout = packed.layout
+        m = state[layout.tensors[0]]["dots"].shape[0]
+        products = torch.zeros(m, dtype=torch.float64, device=layout.device)
+        with nvtx_range(f"tritonopt/{algo}/compress"):
+            for p, is_active, g, e in zip(layout.tensors, active, layout.views(packed.grad), layout.views(packed.error)):
+                entry = state[p]
+                if not is_active:  # stores a zero row; its own state is left alone
+                    entry["ring_p"][slot].zero_()
+                    entry["ring_q"][slot].zero_()
+                    continue
+                n, cols = unfolded_shape(p)
+                if p.dim() >= 2:
+                    factor_p, factor_q = lowrank_ef(g.view(n, cols), e.view(n, cols), entry["lowrank_q"])
+                    entry["lowrank_q"].copy_(factor_q)
+                else:
+                    factor_p, factor_q = lowrank_ef(g.reshape(-1), e.reshape(-1), entry["lowrank_q"])
+                entry["ring_p"][slot].copy_(factor_p)
+                entry["ring_q"][slot].copy_(factor_q)
+        with nvtx_range(f"tritonopt/{algo}/sp"):
+            for p in layout.tensors:
+                entry = state[p]
+                products += lowrank_frobenius_products(
+                    entry["ring_p"], entry["ring_q"], entry["ring_p"][slot], entry["ring_q"][slot]
+                ).double()
+        return None, products
+
+    @staticmethod
+    def combine(state: dict, group: dict, packed: PackedGroup, x, weights: torch.Tensor, scale: float, slot: int):
+        layout = packed.layout
+        weights = weights.to(torch.float32)
+        m = weights.shape[0]
+        direction = torch.zeros_like(packed.grad)
+        for p, out in zip(layout.tensors, layout.views(direction)):
+            ring_p, ring_q = state[p]["ring_p"], state[p]["ring_q"]
+            n, rank = ring_p.shape[1], ring_p.shape[2]
+            # sum_j z_j P_j Q_j^T as one GEMM over the concatenated factors [n, m r] x [m r, p]
+            left = (ring_p * weights.view(m, 1, 1)).permute(1, 0, 2).reshape(n, m * rank)
+            right = ring_q.permute(1, 0, 2).reshape(ring_q.shape[1], m * rank)
+            new = ring_p[slot] @ ring_q[slot].T / scale
+            out.view(n, -1).copy_(new + left @ right.T)
+        return direction
