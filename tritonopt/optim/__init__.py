@@ -1,5 +1,6 @@
 """``torch.optim``-style optimizers (and a K-FAC preconditioner) built on tritonopt's ops."""
 
+from tritonopt.optim import functional
 from tritonopt.optim._accounting import optimizer_state_bytes
 from tritonopt.optim.fosi import FOSI
 from tritonopt.optim.ggt import GGT, SparseGGT
@@ -18,5 +19,6 @@ __all__ = [
     "SparseGGT",
     "SparseMFAC",
     "UnsupportedLayerError",
+    "functional",
     "optimizer_state_bytes",
 ]

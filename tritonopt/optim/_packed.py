@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -187,36 +187,3 @@ class PackedOptimizer(Optimizer):
     def state_bytes(self) -> int:
         """Bytes of the optimizer's state tensors, each storage counted once."""
         return optimizer_state_bytes(self)
-
-
-def float_state_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
-    """float64 when every parameter is float64 (their state keeps that precision), else float32."""
-    return torch.float64 if params and all(p.dtype == torch.float64 for p in params) else torch.float32
-
-
-def apply_decoupled_update(
-    params: Sequence[torch.Tensor],
-    updates: Sequence[torch.Tensor],
-    lr: float,
-    weight_decay: float,
-    active: Optional[Sequence[bool]] = None,
-) -> None:
-    """``p = (1 - lr * weight_decay) * p - lr * update`` for each active parameter, rounded once.
-
-    ``updates`` are views shaped like the parameters (possibly wider dtypes);
-    a parameter narrower than its update is computed in the wider dtype and
-    rounded once to its own.
-    """
-    for i, (p, update) in enumerate(zip(params, updates)):
-        if active is not None and not active[i]:
-            continue
-        wide = torch.promote_types(p.dtype, update.dtype)
-        if p.dtype == wide:
-            if weight_decay:
-                p.mul_(1 - lr * weight_decay)
-            p.sub_(update, alpha=lr)
-        else:
-            p_wide = p.to(wide)
-            if weight_decay:
-                p_wide.mul_(1 - lr * weight_decay)
-            p.copy_(p_wide.sub_(update, alpha=lr))

@@ -9,9 +9,9 @@ import torch
 
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_float, check_int
-from tritonopt.ops import ef_topk
 from tritonopt.optim._blocks import BlockLayout, kept_per_block
-from tritonopt.optim._packed import PackedGroup, PackedOptimizer, apply_decoupled_update, bind_flat_state
+from tritonopt.optim._packed import PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim.functional import apply_decoupled_update, sparse_adagrad
 
 # Squares of entries below this, summed over many steps, stay far from float32's 3.4e38.
 _MAX_GRADIENT_ENTRY = 1e17
@@ -158,17 +158,12 @@ class SparseAdaGrad(PackedOptimizer):
             self._update_group(group, params, packed)
         return loss
 
-    def _update_group(self, group: dict, params: list[torch.Tensor], packed: _PackedGroup) -> None:
+    def _update_group(self, group: dict, params: list[torch.Tensor], packed: PackedGroup) -> None:
         layout = packed.layout
         k = kept_per_block(group["density"], group["k"], layout.block_size)
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        with nvtx_range("tritonopt/sparse_adagrad/compress"):
-            indices, values = ef_topk(packed.grad, packed.error, k)
         with nvtx_range("tritonopt/sparse_adagrad/update"):
-            indices = indices.long()
-            sum_sq = packed.sum_sq.gather(1, indices).addcmul_(values, values)
-            packed.sum_sq.scatter_(1, indices, sum_sq)
-            packed.update.zero_().scatter_(1, indices, values / (sum_sq.sqrt_() + eps))
-            apply_decoupled_update(params, layout.views(packed.update), lr, wd)
+            update = sparse_adagrad(packed.grad, packed.error, packed.sum_sq, packed.update, k=k, eps=eps)
+            apply_decoupled_update(params, layout.views(update), lr, wd)
             for p in params:
                 self.state[p]["step"] += 1

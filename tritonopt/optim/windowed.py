@@ -52,7 +52,8 @@ import torch
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_float, check_int
 from tritonopt.optim._blocks import BlockLayout
-from tritonopt.optim._packed import PackedGroup, PackedOptimizer, apply_decoupled_update, bind_flat_state
+from tritonopt.optim._packed import PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum
 from tritonopt.optim._window_algebra import update_gram
 
 # Gradients are stored and multiplied in float32 (or bfloat16): with a group gradient norm
@@ -203,15 +204,7 @@ class WindowedPreconditioner(PackedOptimizer):
             if mu > 0 and "momentum_buffer" not in packed.state:
                 packed.state.update(bind_flat_state(self.state, layout, ["momentum_buffer"], packed.grad.dtype))
             if "momentum_buffer" in packed.state and mu > 0:
-                momentum = packed.momentum_buffer
-                if all(active):
-                    direction = momentum.mul_(mu).add_(direction)
-                else:
-                    blended = momentum * mu + direction
-                    for a, m_view, b_view in zip(active, layout.views(momentum), layout.views(blended)):
-                        if a:
-                            m_view.copy_(b_view)
-                    direction = blended
+                direction = heavy_ball_momentum(packed.momentum_buffer, direction, mu, layout=layout, active=active)
             apply_decoupled_update(params, layout.views(direction), group["lr"], group["weight_decay"], active)
             for p, a in zip(params, active):
                 if a:
