@@ -7,6 +7,9 @@ to overwrite) and ``ring_filled``. Each step it
 1. stores the step's vector ``x`` in row ``slot`` (``insert``) and returns
    ``x`` (as a dense ``[num_blocks, block_size]`` tensor, ``None`` for the
    low-rank window) and the products ``s = G x``;
+   ``saved_shapes`` gives the shapes a checkpoint must hold: the group's
+   entries (in the first parameter's state) and a function of a parameter for
+   its own;
 2. after the preconditioner has turned ``dots`` and ``s`` into the weights
    ``z``, forms ``u = x / scale + z @ G`` (``combine``), ``slot`` being the row
    just written.
@@ -44,6 +47,10 @@ from tritonopt.optim._packed import PackedGroup
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _no_entries(p: torch.Tensor) -> dict:
+    return {}
+
+
 def _gram_state(m: int, device: torch.device) -> dict:
     return {"dots": torch.zeros((m, m), dtype=torch.float64, device=device), "ring_slot": 0, "ring_filled": 0}
 
@@ -64,6 +71,11 @@ class DenseWindow:
         m = group["ngrads"]
         return {"ring_grads": torch.zeros((m, layout.total), dtype=dtype, device=layout.device),
                 **_gram_state(m, layout.device)}
+
+    @staticmethod
+    def saved_shapes(group: dict, params: Sequence[torch.Tensor]) -> tuple[dict, dict]:
+        m = group["ngrads"]
+        return {"ring_grads": (m, sum(p.numel() for p in params)), "dots": (m, m)}, _no_entries
 
     @staticmethod
     def insert(algo: str, state: dict, group: dict, packed: PackedGroup, active: Sequence[bool], slot: int):
@@ -115,6 +127,13 @@ class SparseWindow:
             "ring_values": torch.zeros(shape, dtype=group["values_dtype"], device=layout.device),
             **_gram_state(m, layout.device),
         }
+
+    @staticmethod
+    def saved_shapes(group: dict, params: Sequence[torch.Tensor]) -> tuple[dict, dict]:
+        m, total = group["ngrads"], sum(p.numel() for p in params)
+        block_size = min(group["block_size"], total)
+        shape = (-(-total // block_size), m, kept_per_block(group["density"], None, block_size))
+        return {"ring_indices": shape, "ring_values": shape, "dots": (m, m)}, _no_entries
 
     @staticmethod
     def insert(algo: str, state: dict, group: dict, packed: PackedGroup, active: Sequence[bool], slot: int):
@@ -187,6 +206,17 @@ class LowRankWindow:
                     "were ngrads or rank changed?"
                 )
         return _gram_state(m, layout.device)
+
+    @staticmethod
+    def saved_shapes(group: dict, params: Sequence[torch.Tensor]) -> tuple[dict, dict]:
+        m, rank = group["ngrads"], group["rank"]
+
+        def factor_shapes(p):
+            n, cols = unfolded_shape(p)
+            width = cols if p.dim() >= 2 else 1
+            return {"lowrank_q": (width, rank), "ring_p": (m, n, rank), "ring_q": (m, width, rank)}
+
+        return {"dots": (m, m)}, factor_shapes
 
     @staticmethod
     def insert(algo: str, state: dict, group: dict, packed: PackedGroup, active: Sequence[bool], slot: int):

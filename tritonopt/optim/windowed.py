@@ -52,7 +52,7 @@ import torch
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_float, check_int
 from tritonopt.optim._blocks import BlockLayout
-from tritonopt.optim._packed import PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, bind_flat_state
 from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum
 from tritonopt.optim._window_algebra import update_gram
 
@@ -88,6 +88,18 @@ class WindowedPreconditioner(PackedOptimizer):
         check_int("ngrads", group["ngrads"], low=1)
         check_float(self.SCALE, group[self.SCALE], low=0.0, low_open=True)
         self.WINDOW.check_group(group)
+
+    def _checkpoint_spec(self, group: dict, params) -> CheckpointSpec:
+        group_shapes, param_shapes = self.WINDOW.saved_shapes(group, params)
+        error = {"error"} if self.WINDOW.ERROR_FEEDBACK else set()
+        return CheckpointSpec(
+            per_param=frozenset({"step"} | error),
+            like_param=frozenset(error | {"momentum_buffer"}),
+            optional=frozenset({"momentum_buffer"}),
+            param_shapes=param_shapes,
+            group_shapes=group_shapes,
+            group_counters={"ring_slot": group["ngrads"] - 1, "ring_filled": group["ngrads"]},
+        )
 
     # ------------------------------------------------------------------ packing
 
@@ -146,6 +158,7 @@ class WindowedPreconditioner(PackedOptimizer):
                 loss = closure()
 
         # Validate and pack every group before any parameter or state changes.
+        stateless = self._stateless_params()
         work = []
         with nvtx_range(f"tritonopt/{self.ALGO}/pack"):
             for index, group in enumerate(self.param_groups):
@@ -165,7 +178,8 @@ class WindowedPreconditioner(PackedOptimizer):
         largest = float(bounds.max())
         if not largest < MAX_GRADIENT_NORM:
             self._refuse_step("a gradient holds NaN or inf" if not math.isfinite(largest) else
-                              f"a gradient is too large to precondition in float32 (norm up to {largest:.3g})")
+                              f"a gradient is too large to precondition in float32 (norm up to {largest:.3g})",
+                              stateless)
             return loss
 
         for group, params, active, packed in work:
