@@ -136,7 +136,7 @@ OPTIMIZERS = [
         "SparseAdaGrad", ParamsRun,
         build=_windowed(tritonopt.optim.SparseAdaGrad, lr=0.05, density=0.25, block_size=16, weight_decay=0.01),
         bad_hyperparameters=COMMON_BAD + [
-            (dict(eps=-1.0), "eps"), (dict(density=0.0), "density"), (dict(k=0), "k"),
+            (dict(eps=-1.0), "eps"), (dict(eps=0.0), "eps"), (dict(density=0.0), "density"), (dict(k=0), "k"),
             (dict(block_size=0), "block_size"), (dict(density=0.1, k=2), "density or k"),
         ],
         bad_group={"density": 2.0},

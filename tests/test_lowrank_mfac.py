@@ -126,3 +126,15 @@ def test_state_bytes_follow_the_factor_sizes():
     error = 4 * (48 + 6 + 30)
     assert opt.state_bytes() == ring + warm + error + 8 * m * m + 4 * len(params)
 
+
+
+def test_an_empty_matrix_parameter_is_carried_along():
+    # A [0, 3] parameter (an empty layer) has nothing to compress and must not stop the others.
+    empty, weight = torch.nn.Parameter(torch.zeros(0, 3)), torch.nn.Parameter(torch.randn(4, 3))
+    opt = LowRankMFAC([empty, weight], lr=0.1, ngrads=2, damp=0.1, rank=2)
+    before = weight.detach().clone()
+    for step in range(3):
+        set_grads([empty, weight], [torch.zeros(0, 3), torch.randn(4, 3, generator=torch.Generator().manual_seed(step))])
+        opt.step()
+    assert empty.shape == (0, 3) and not torch.equal(weight.detach(), before)
+    assert opt.state[empty]["ring_p"].shape == (2, 0, 2)

@@ -1,5 +1,6 @@
 """SparseAdaGrad against a literal Algorithm 7, across backends, checkpoints and bad input."""
 
+import copy
 
 import pytest
 import torch
@@ -182,3 +183,17 @@ def test_trains_a_small_regression():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.05 * losses[0]
+
+
+def test_a_state_dict_without_step_counters_is_refused_before_anything_changes():
+    params = make_params(SHAPES)
+    opt = SparseAdaGrad(params, lr=0.05, density=0.25, block_size=16)
+    run_steps(params, opt, gradient_stream(SHAPES, 2))
+    saved = copy.deepcopy(opt.state_dict())  # state_dict() shares the live state's dicts
+    for entry in saved["state"].values():
+        del entry["step"]
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="step"):
+        opt.load_state_dict(saved)
+    run_steps(params, opt, gradient_stream(SHAPES, 1, seed=4))
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))

@@ -27,6 +27,7 @@ window             ``x``                                       ``z @ G``
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -163,9 +164,10 @@ class SparseWindow:
 
 
 def unfolded_shape(p: torch.Tensor) -> tuple[int, int]:
-    """``[n, p]`` with ``n = shape[0]``; a 1-D tensor is ``[n, 1]`` (stored uncompressed)."""
-    n = p.shape[0] if p.dim() else 1
-    return n, (p.numel() // n if n else 0)
+    """``[n, p]`` with ``n = shape[0]``; a 1-D tensor is ``[n, 1]`` (stored uncompressed), a 0-D one ``[1, 1]``."""
+    if p.dim() == 0:
+        return 1, 1
+    return p.shape[0], math.prod(p.shape[1:])
 
 
 class LowRankWindow:
@@ -259,5 +261,5 @@ class LowRankWindow:
             left = (ring_p * weights.view(m, 1, 1)).permute(1, 0, 2).reshape(n, m * rank)
             right = ring_q.permute(1, 0, 2).reshape(ring_q.shape[1], m * rank)
             new = ring_p[slot] @ ring_q[slot].T / scale
-            out.view(n, -1).copy_(new + left @ right.T)
+            out.view(n, right.shape[0]).copy_(new + left @ right.T)
         return direction

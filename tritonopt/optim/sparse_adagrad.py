@@ -43,7 +43,7 @@ class SparseAdaGrad(PackedOptimizer):
         block_size: Top-k block length. A group with fewer elements forms one
             block of its own size (``k`` is then capped at that size); the last
             block of a group is zero-padded, and padding never reaches a parameter.
-        eps: added to ``sqrt(H)``.
+        eps: added to ``sqrt(H)``, ``> 0`` (entries never selected have ``H = 0``).
         weight_decay: decoupled weight decay ``theta *= 1 - lr * weight_decay``.
         on_nonfinite: what a step does when a gradient holds NaN or inf:
             ``"skip"`` (default) leaves every parameter and all state untouched,
@@ -79,7 +79,7 @@ class SparseAdaGrad(PackedOptimizer):
     def _check_group(self, group: dict) -> None:
         group = {"density": None, "k": None, **group}
         check_float("lr", group["lr"], low=0.0)
-        check_float("eps", group["eps"], low=0.0)
+        check_float("eps", group["eps"], low=0.0, low_open=True)  # 0 would divide 0 by 0 where nothing was kept
         check_float("weight_decay", group["weight_decay"], low=0.0)
         check_int("block_size", group["block_size"], low=1)
         density, k = group["density"], group["k"]
