@@ -123,8 +123,9 @@ def test_state_bytes_follow_the_factor_sizes():
     opt.step()
     ring = 4 * m * rank * ((6 + 8) + (6 + 1) + (3 + 10))
     warm = 4 * rank * (8 + 1 + 10)
-    error = 4 * (48 + 6 + 30)
-    assert opt.state_bytes() == ring + warm + error + 8 * m * m + 4 * len(params)
+    error_and_scratch = 2 * 4 * (48 + 6 + 30)
+    assert opt.state_bytes() == ring + warm + error_and_scratch + 8 * m * m + 4 * len(params)
+    assert opt.state_bytes() == opt.expected_state_bytes()
 
 
 

@@ -247,11 +247,11 @@ def test_parameters_without_grad_keep_their_value_and_state():
     assert not bool(rows[:, 35:38].any())
 
 
-def test_param_groups_use_their_own_hyperparameters():
+def test_per_group_windows_give_each_group_its_own_hyperparameters():
     first, second = make_params([(12,)], seed=1), make_params([(20,)], seed=2)
     opt = SparseMFAC(
         [{"params": first}, {"params": second, "lr": 0.0, "ngrads": 2}],
-        lr=0.1, ngrads=3, damp=0.1, density=0.5, block_size=8,
+        lr=0.1, ngrads=3, damp=0.1, density=0.5, block_size=8, per_group_windows=True,
     )
     before = second[0].detach().clone()
     run_steps(first + second, opt, gradient_stream([(12,), (20,)], 3))
@@ -260,17 +260,74 @@ def test_param_groups_use_their_own_hyperparameters():
     assert opt.state[second[0]]["dots"].shape == (2, 2)
 
 
+@pytest.mark.parametrize("cls, hyper", [
+    (MFAC, dict(ngrads=3, damp=0.1)),
+    (SparseMFAC, dict(ngrads=3, damp=0.1, density=0.25, block_size=16)),
+], ids=["mfac", "sparse"])
+def test_groups_that_differ_only_in_step_rules_share_one_fisher(cls, hyper):
+    # The common "no weight decay on biases" split: the curvature is the whole model's, so
+    # with equal step rules the two groups step exactly like one group.
+    stream = gradient_stream(SHAPES, 6)
+    single = make_params(SHAPES)
+    single_opt = cls(single, lr=0.05, momentum=0.5, **hyper)
+    run_steps(single, single_opt, stream)
+    split = make_params(SHAPES)
+    opt = cls([{"params": split[:1]}, {"params": split[1:]}], lr=0.05, momentum=0.5, **hyper)
+    run_steps(split, opt, stream)
+    for a, b in zip(single, split):
+        assert torch.equal(a, b)
+    assert "dots" in opt.state[split[0]] and "dots" not in opt.state[split[1]]
+    # With other step rules per group the window stays shared; a group with lr 0 does not move.
+    frozen = make_params(SHAPES)
+    opt = cls([{"params": frozen[:1]}, {"params": frozen[1:], "lr": 0.0, "weight_decay": 0.0}],
+              lr=0.05, momentum=0.5, weight_decay=0.1, **hyper)
+    before = [p.detach().clone() for p in frozen[1:]]
+    run_steps(frozen, opt, stream)
+    assert all(torch.equal(p, b) for p, b in zip(frozen[1:], before))
+    # The window holds the gradients only, so it is the single group's, bit for bit.
+    assert torch.equal(opt.state[frozen[0]]["dots"], single_opt.state[single[0]]["dots"])
+
+
+def test_groups_must_agree_on_the_window_unless_each_has_its_own():
+    opt = SparseMFAC(make_params([(8,)]), ngrads=4, density=0.5, block_size=8)
+    with pytest.raises(ValueError, match="ngrads"):
+        opt.add_param_group({"params": make_params([(4,)], seed=3), "ngrads": 2})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match="density"):
+        SparseMFAC([{"params": make_params([(8,)])}, {"params": make_params([(4,)], seed=3), "density": 0.1}])
+
+
 def test_state_bytes_follow_the_layout():
     m = 4
     params = make_params(SHAPES)  # 62 elements, blocks of 16: 4 blocks, k = 4
     sparse = SparseMFAC(params, lr=0.1, ngrads=m, damp=0.1, density=0.25, block_size=16)
     run_steps(params, sparse, gradient_stream(SHAPES, 1))
     steps = 4 * len(params)
-    assert sparse.state_bytes() == 4 * m * 4 * (4 + 4) + 4 * 64 + 8 * m * m + steps
+    # ring (int32 + float32), error and the packed-gradient scratch (padded to 64), Gram matrix
+    assert sparse.state_bytes() == 4 * m * 4 * (4 + 4) + 2 * 4 * 64 + 8 * m * m + steps
+    assert sparse.expected_state_bytes() == sparse.state_bytes()
     params_d = make_params(SHAPES)
-    dense = MFAC(params_d, lr=0.1, ngrads=m, damp=0.1)
+    dense = MFAC(params_d, lr=0.1, ngrads=m, damp=0.1, momentum=0.9)
+    expected = dense.expected_state_bytes()  # known before the first step
     run_steps(params_d, dense, gradient_stream(SHAPES, 1))
-    assert dense.state_bytes() == 4 * m * 62 + 8 * m * m + steps
+    assert dense.state_bytes() == 4 * m * 62 + 2 * 4 * 62 + 8 * m * m + steps == expected
+
+
+def test_a_window_that_cannot_fit_is_refused_before_anything_is_allocated(monkeypatch):
+    import tritonopt.optim.windowed as windowed
+
+    params = make_params(SHAPES)
+    needed = MFAC(params, ngrads=1024, damp=0.1).expected_state_bytes()
+    monkeypatch.setattr(windowed, "available_memory", lambda device: needed - 1)
+    with pytest.raises(MemoryError, match="GiB"):
+        MFAC(params, ngrads=1024, damp=0.1)
+    monkeypatch.setattr(windowed, "available_memory", lambda device: needed)
+    opt = MFAC(params, ngrads=1024, damp=0.1)
+    assert not opt.state
+    monkeypatch.setattr(windowed, "available_memory", lambda device: needed + 100)
+    with pytest.raises(MemoryError):
+        opt.add_param_group({"params": make_params([(50,)], seed=4)})
+    assert len(opt.param_groups) == 1
 
 
 def test_trains_a_small_regression():
@@ -359,3 +416,55 @@ def test_float64_parameters_keep_their_precision(cls, hyper):
         opt.step()
     assert torch.equal(wide.detach(), before)
 
+
+
+@pytest.mark.parametrize("damp", [1e-4, 1e-6, 1e-7])
+def test_a_tiny_damp_does_not_cancel_the_update_away(damp):
+    # u = x / damp - w @ G subtracts two float32 vectors of size ~1/damp; folding x / damp
+    # into the float64 weights (x is the newest row of G) leaves only float32 rounding of
+    # eight terms, about 1e-6 relative. The subtraction form was off by 1e-1 to 1e2 here.
+    gen = torch.Generator().manual_seed(0)
+    d, m = 2000, 8
+    p = torch.nn.Parameter(torch.zeros(d))
+    opt = MFAC([p], lr=1.0, ngrads=m, damp=damp)
+    rows = []
+    for _ in range(m + 3):
+        g = torch.randn(d, generator=gen)
+        before = p.detach().clone()
+        p.grad = g.clone()
+        opt.step()
+        rows = (rows + [g.double()])[-m:]
+    window = torch.stack(rows)
+    exact = torch.linalg.solve(damp * torch.eye(d, dtype=torch.float64) + window.T @ window / m, g.double())
+    update = (before - p.detach()).double()
+    assert float((update - exact).norm() / exact.norm()) < 1e-5
+
+
+def test_max_update_norm_clips_the_preconditioned_update():
+    # The window holds gradients only, so both runs precondition the same vectors: each
+    # clipped step is the free one shortened to the limit, or left alone below it.
+    limit, moves = 0.4, {}
+    for clip in (None, limit):
+        params = make_params(SHAPES)
+        opt = SparseMFAC(params, lr=1.0, ngrads=3, damp=1e-3, density=0.25, block_size=16, max_update_norm=clip)
+        moves[clip] = []
+        for grads in gradient_stream(SHAPES, 4):
+            before = flat([p.detach() for p in params])
+            set_grads(params, grads)
+            opt.step()
+            moves[clip].append(float((flat([p.detach() for p in params]) - before).norm()))
+    assert min(moves[None]) < limit < max(moves[None])
+    for free, clipped in zip(moves[None], moves[limit]):
+        assert clipped == pytest.approx(min(free, limit), rel=1e-5)
+
+
+def test_error_norm_ratio_is_what_compression_left_out():
+    params = make_params(SHAPES)
+    opt = SparseMFAC(params, lr=0.1, ngrads=3, damp=0.1, density=0.25, block_size=16, track_error_norm=True)
+    assert opt.error_norm_ratios() == [None]
+    grads = gradient_stream(SHAPES, 1)[0]
+    set_grads(params, grads)
+    opt.step()
+    error = flat([opt.state[p]["error"] for p in params])
+    assert opt.error_norm_ratios()[0] == pytest.approx(float(error.norm() / flat(grads).norm()), rel=1e-6)
+    assert MFAC(params, track_error_norm=True).error_norm_ratios() == [None]

@@ -17,7 +17,9 @@ are views of its slice, so the kernels run once per group while
   float state to the parameter's dtype) and carry ``skipped_steps``;
 * copies: ``copy.deepcopy`` and ``pickle`` keep every attribute; the flat
   buffers are rebuilt from the per-parameter state at the next step;
-* :meth:`PackedOptimizer.state_bytes`: the bytes of the state.
+* :meth:`PackedOptimizer.state_bytes`: the bytes of the state and the work buffers;
+* :func:`available_memory`: what a device can still hold, to refuse an optimizer
+  whose state cannot fit before it allocates anything.
 """
 
 from __future__ import annotations
@@ -39,12 +41,19 @@ NONFINITE_POLICIES = ("skip", "raise")
 
 class PackedGroup:
     """One group's flat buffers: ``state`` ones (per-parameter views live in the optimizer's state)
-    and ``work`` ones (scratch, such as the packed gradient). Read either as an attribute."""
+    and ``work`` ones (scratch, such as the packed gradient). Read either as an attribute.
+
+    ``stats`` holds 0-d device tensors the last step measured (no host synchronisation).
+    """
 
     def __init__(self, layout: BlockLayout, state: dict[str, torch.Tensor], work: dict[str, torch.Tensor]):
         self.layout = layout
         self.state = state
         self.work = work
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def work_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.work.values())
 
     def __getattr__(self, name: str) -> torch.Tensor:
         for buffers in (self.__dict__.get("state", {}), self.__dict__.get("work", {})):
@@ -76,6 +85,22 @@ def bind_flat_state(
                 view.copy_(entry[name])
             entry[name] = view
     return buffers
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes the device can still allocate (free GPU memory, or the host's available memory), None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return None
 
 
 def _no_entries(p: torch.Tensor) -> dict:
@@ -158,9 +183,12 @@ class PackedOptimizer(Optimizer):
     def _check_group(self, group: dict) -> None:
         raise NotImplementedError
 
-    def _checkpoint_spec(self, group: dict, params: Sequence[torch.Tensor]) -> Optional[CheckpointSpec]:
-        """What a checkpoint of ``group`` (its saved hyperparameters) must hold; None checks nothing."""
+    def _checkpoint_spec(self, index: int, group: dict, params: Sequence[torch.Tensor]) -> Optional[CheckpointSpec]:
+        """What a checkpoint of group ``index`` (``group``: its saved hyperparameters) must hold; None checks nothing."""
         return None
+
+    def _check_group_set(self, groups: Sequence[dict]) -> None:
+        """Checks across groups (run on the optimizer's groups, and on a state dict's before loading)."""
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -168,6 +196,7 @@ class PackedOptimizer(Optimizer):
         try:
             self._check_group(group)
             self._check_params(group["params"])
+            self._check_group_set(self.param_groups)
         except Exception:
             self.param_groups.pop()  # a rejected group leaves the optimizer as it was
             raise
@@ -239,10 +268,12 @@ class PackedOptimizer(Optimizer):
             len(saved["params"]) != len(group["params"]) for saved, group in zip(saved_groups, self.param_groups)
         ):
             raise ValueError("the state dict's parameter groups do not match the optimizer's (count or sizes)")
-        for saved, group in zip(saved_groups, self.param_groups):
-            hyper = {**self.defaults, **{k: v for k, v in saved.items() if k != "params"}}
+        hypers = [{**self.defaults, **{k: v for k, v in saved.items() if k != "params"}} for saved in saved_groups]
+        for hyper in hypers:
             self._check_group(hyper)
-            spec = self._checkpoint_spec(hyper, group["params"])
+        self._check_group_set(hypers)
+        for index, (saved, group, hyper) in enumerate(zip(saved_groups, self.param_groups, hypers)):
+            spec = self._checkpoint_spec(index, hyper, group["params"])
             if spec is not None:
                 spec.check(type(self).__name__, group["params"], [saved_state.get(i) for i in saved["params"]])
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
@@ -271,5 +302,6 @@ class PackedOptimizer(Optimizer):
         self._packed = {}
 
     def state_bytes(self) -> int:
-        """Bytes of the optimizer's state tensors, each storage counted once."""
-        return optimizer_state_bytes(self)
+        """Bytes the optimizer holds: its state tensors (each storage once) and its work buffers."""
+        work = sum(p.work_bytes() for p in self._packed.values() if isinstance(p, PackedGroup))
+        return optimizer_state_bytes(self) + work

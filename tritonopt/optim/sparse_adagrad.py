@@ -90,7 +90,7 @@ class SparseAdaGrad(PackedOptimizer):
         elif isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
             raise ValueError(f"density must be a number in (0, 1], got {density!r}")
 
-    def _checkpoint_spec(self, group: dict, params) -> CheckpointSpec:
+    def _checkpoint_spec(self, index: int, group: dict, params) -> CheckpointSpec:
         return CheckpointSpec(per_param=frozenset({"step", "error", "sum_sq"}),
                               like_param=frozenset({"error", "sum_sq"}))
 
