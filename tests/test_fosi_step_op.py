@@ -133,8 +133,8 @@ def test_empty_basis_is_exactly_the_base_step(backend, base):
 @pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 @pytest.mark.parametrize("n", [1037, 2048])
 def test_padded_basis_row_stride_gives_the_same_bits(n):
-    """A basis whose rows start every multiple of 16 elements (a [:, :n] view of a wider
-    buffer, so its loads vectorise) computes exactly what the contiguous basis does."""
+    """A basis whose rows start every multiple of 16 elements (a [:, :n] view of a wider,
+    NaN-filled buffer, so its loads vectorise) gives the step the contiguous basis gives."""
     from tritonopt.kernels.fosi_step import fosi_step_triton
 
     target = backend_device("triton")
@@ -147,8 +147,16 @@ def test_padded_basis_row_stride_gives_the_same_bits(n):
         fosi_step_triton(w, p["g"], basis, p["scale"], a, b, None, "adam", 0.01, 0.9, 0.999, 1e-8, 2, 1.0,
                          0.0, 1.0)
         results.append((w, a, b))
+    # Row alignment may change the compiled layout, hence the order of the sums over
+    # the basis: each result lies within test_step_matches_float64_formula's bound
+    # (2e-5 * scale) of the float64 step, so within twice that of each other; bitwise
+    # where both strides are multiples of 16 (the same compiled code).
+    scale = 1.0 + float(results[0][0].abs().max())
     for x, y in zip(*results):
-        assert torch.equal(x, y)
+        assert bool(torch.isfinite(y).all())
+        assert (x.double() - y.double()).abs().max() <= 4e-5 * scale
+        if n % 16 == 0:
+            assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

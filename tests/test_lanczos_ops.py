@@ -102,20 +102,23 @@ def test_halves_triton_match_reference(m, n, rows_fraction, dtype, seed):
 @needs_triton
 @pytest.mark.parametrize("n", [1037, 2048])
 def test_padded_row_stride_gives_the_same_bits(n):
-    """A basis whose rows start every multiple of 16 elements (a [:, :n] view of a wider
-    buffer, so its loads vectorise) computes exactly what the contiguous basis does."""
+    """A basis whose rows start every multiple of 16 elements (a [:, :n] view of a wider,
+    NaN-filled buffer, so its loads vectorise) gives the projection the contiguous basis gives."""
     from tritonopt.kernels.lanczos import gram_schmidt_project_triton
 
     target = backend_device("triton")
-    gen = torch.Generator().manual_seed(n)
-    dense = torch.randn(6, n, generator=gen).to(target)
+    basis = orthonormal_rows(6, n, n, torch.float32)
+    h = torch.randn(n, generator=torch.Generator().manual_seed(n + 1))
     padded = torch.full((6, -(-n // 16) * 16 + 16), float("nan"), device=target)[:, :n]
-    padded.copy_(dense)
-    h = torch.randn(n, generator=gen).to(target)
-    expected = gram_schmidt_project_triton(dense, h, 5, 2)
-    got = gram_schmidt_project_triton(padded, h, 5, 2)
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b)
+    padded.copy_(basis)
+    got = [t.cpu() for t in gram_schmidt_project_triton(padded, h.to(target), 5, 2)]
+    expected, _ = dense_projection(basis, h, 5)
+    # The float32 bound of test_projection_matches_dense_float64.
+    assert (got[0].double() - expected).abs().max() <= 2e-5 * max(1.0, float(h.double().norm()))
+    if n % 16 == 0:  # both row strides are multiples of 16: the same compiled code, the same bits
+        contiguous = gram_schmidt_project_triton(basis.to(target), h.to(target), 5, 2)
+        for a, b in zip(got, contiguous):
+            assert torch.equal(a, b.cpu())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
