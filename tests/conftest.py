@@ -52,13 +52,17 @@ def _map_tensors(value, fn):
 def run_on_backend(backend: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with ``backend`` forced, its tensor arguments on that backend's device.
 
-    Tensor arguments are copied back after the call (so in-place updates reach
-    the caller's CPU tensors) and tensor results come back on the CPU; on a
-    machine without a GPU nothing moves.
+    CPU tensor arguments are moved, and copied back after the call (so in-place
+    updates reach the caller's tensors); tensor results come back on the CPU. On
+    a machine without a GPU nothing moves.
     """
     target = backend_device(backend)
-    moved_args = [_map_tensors(a, lambda t: t.to(target)) for a in args]
-    moved_kwargs = {k: _map_tensors(v, lambda t: t.to(target)) for k, v in kwargs.items()}
+
+    def move(t):  # CPU tensors only: a test's meta or CUDA tensors stay where they are
+        return t.to(target) if t.device.type == "cpu" else t
+
+    moved_args = [_map_tensors(a, move) for a in args]
+    moved_kwargs = {k: _map_tensors(v, move) for k, v in kwargs.items()}
     with tritonopt_use_backend(backend):
         result = fn(*moved_args, **moved_kwargs)
     with torch.no_grad():
