@@ -76,10 +76,13 @@ def _device_guard(t: torch.Tensor):
 # --------------------------------------------------------------------------- factor update
 
 
-# Accumulator elements per thread (BLOCK_M * BLOCK_N / threads) above which the
-# GEMM tiles spill on sm_90: "tf32x3" holds the split operands (big and small
-# parts) beside the accumulator, so it gets half the budget of one product.
-_ACC_PER_THREAD = {"tf32x3": 32, "ieee": 64, "tf32": 64}
+# What compiles without spills on sm_90 (Triton 3.6 and 3.9; tests/test_sm90_compile.py):
+# at most 32 accumulator elements per thread, and output tiles no larger than
+# these per precision ("tf32x3" holds the split big and small operand parts
+# beside the accumulator; "ieee" runs on the FMA units with its operands in
+# registers, and 128 x 64 spills there).
+_ACC_PER_THREAD = 32
+_MAX_TILE_ELEMENTS = {"tf32x3": 128 * 64, "tf32": 128 * 64, "ieee": 64 * 64}
 # Shared memory a block may use on an H100 (227 KB of the SM's 228 KB).
 _SHARED_LIMIT_BYTES = 227 * 1024
 
@@ -89,7 +92,8 @@ def _tile_fits(block_m: int, block_n: int, block_k: int, num_warps: int, num_sta
     """Registers and shared memory of one fp32 GEMM tile config on sm_90."""
     threads = 32 * num_warps
     staged = (block_m + block_n) * block_k * 4 * num_stages  # both operands, every stage
-    return block_m * block_n <= _ACC_PER_THREAD[precision] * threads and staged <= _SHARED_LIMIT_BYTES
+    return (block_m * block_n <= min(_ACC_PER_THREAD * threads, _MAX_TILE_ELEMENTS[precision])
+            and staged <= _SHARED_LIMIT_BYTES)
 
 
 def _factor_configs():
@@ -232,7 +236,7 @@ def _gemm_configs():
     # the tile decide how the products over K are grouped and rounded). Measured
     # on sm_90 by tests/test_sm90_compile.py: 128 x 128 tiles and BLOCK_K = 64
     # spill at every precision, 64 x 128 with "ieee", 32 x 32 with 2 warps with
-    # "tf32x3".
+    # "tf32x3"; _tile_fits prunes 128 x 64 for "ieee".
     return [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=3),
