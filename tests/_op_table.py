@@ -25,10 +25,11 @@ class OpInfo:
     updated: tuple = ()  # the arguments written in place
     bad: list = field(default_factory=list)  # (description, changes to the sample, exception, word)
     empty: Optional[Callable[[], dict]] = None  # a valid call with no elements to work on
+    variant: str = ""  # tells apart entries of one op (other dtypes of the sample)
 
     @property
     def name(self) -> str:
-        return self.op.name
+        return f"{self.op.name}-{self.variant}" if self.variant else self.op.name
 
 
 def _generator(seed: int = 0) -> torch.Generator:
@@ -161,7 +162,12 @@ OPS = [
         ("error of another shape", dict(error=torch.zeros(3, 31)), ValueError, "error"),
         ("float16 error", dict(error=torch.zeros(3, 32, dtype=torch.float16)), TypeError, "error"),
         ("float64 grad", dict(grad=torch.zeros(3, 32, dtype=torch.float64)), TypeError, "grad"),
+        ("strided grad", dict(grad=torch.zeros(32, 3).t()), ValueError, "grad"),
     ]),
+    OpInfo(ops.ef_topk, _with(_ef_topk, grad=torch.randn(3, 32, generator=_generator(1)).half()), updated=("error",),
+           variant="float16"),
+    OpInfo(ops.ef_topk, _with(_ef_topk, grad=torch.randn(3, 32, generator=_generator(1)).bfloat16()),
+           updated=("error",), variant="bfloat16"),
     OpInfo(ops.densify_blocks, _densify_blocks, bad=[
         ("index past the block", dict(block_size=3), ValueError, "indices"),
         ("block smaller than k", dict(block_size=1), ValueError, "block_size"),
@@ -173,6 +179,10 @@ OPS = [
         ("float16 values", dict(values=torch.zeros(2, 3, 4, dtype=torch.float16)), TypeError, "values"),
         ("x with other blocks", dict(x=torch.zeros(3, 16)), ValueError, "x must"),
         ("x narrower than k", dict(x=torch.zeros(2, 3)), ValueError, "block_size"),
+        ("strided x", dict(x=torch.zeros(16, 2).t()), ValueError, "x must be contiguous"),
+        ("values of another shape", dict(values=torch.zeros(2, 2, 4)), ValueError, "values"),
+        ("2-D ring", dict(indices=torch.zeros(3, 4, dtype=torch.int32), values=torch.zeros(3, 4)), ValueError,
+         "indices"),
     ]),
     OpInfo(ops.sparse_lcg, _sparse_lcg, empty=_with(_sparse_lcg, indices=torch.zeros(2, 0, 4, dtype=torch.int32),
                                                   values=torch.zeros(2, 0, 4), weights=torch.zeros(0)), bad=[
@@ -197,6 +207,8 @@ OPS = [
         ("q with other rows", dict(q=torch.zeros(7, 2)), ValueError, "q must be"),
         ("rank 0", dict(q=torch.zeros(8, 0)), ValueError, "q must be"),
         ("float64 error", dict(error=torch.zeros(12, 8, dtype=torch.float64)), TypeError, "error"),
+        ("integer grad", dict(grad=torch.zeros(12, 8, dtype=torch.int32)), TypeError, "grad must be"),
+        ("strided grad", dict(grad=torch.zeros(8, 12).t()), ValueError, "grad must be contiguous"),
     ]),
     OpInfo(ops.lowrank_frobenius_products, _lowrank_frobenius_products, bad=[
         ("mixed dtypes", dict(p=torch.zeros(7, 2, dtype=torch.float64)), TypeError, "dtype"),
@@ -211,6 +223,8 @@ OPS = [
         ("unknown precision", dict(precision="fp8"), ValueError, "precision"),
         ("no rows", dict(x=torch.zeros(0, 5)), ValueError, "x"),
         ("factor without the bias column", dict(factor=torch.eye(5)), ValueError, "factor"),
+        ("float16 factor", dict(factor=torch.eye(6).half()), TypeError, "factor"),
+        ("integer x", dict(x=torch.ones(10, 5, dtype=torch.int32)), TypeError, "x"),
     ]),
     OpInfo(ops.eigenbasis_precondition, _eigenbasis_precondition, bad=[
         ("damping 0", dict(damping=0.0), ValueError, "damping"),
@@ -239,6 +253,10 @@ OPS = [
         ("num_rows a float", dict(num_rows=1.0), TypeError, "num_rows"),
         ("no pass", dict(passes=0), ValueError, "passes"),
         ("h of another dtype", dict(h=torch.zeros(20, dtype=torch.float64)), TypeError, "h must have basis's dtype"),
+        ("h of another length", dict(h=torch.zeros(19)), ValueError, "h must be 1-D"),
+        ("float16 basis", dict(basis=torch.zeros(4, 20, dtype=torch.float16), h=torch.zeros(20, dtype=torch.float16)),
+         TypeError, "basis must be float32"),
+        ("transposed basis", dict(basis=torch.zeros(20, 4).T), ValueError, "basis"),
     ]),
     OpInfo(ops.gram_schmidt_coefficients, _gram_schmidt_coefficients, bad=[
         ("negative num_rows", dict(num_rows=-1), ValueError, "num_rows"),
@@ -256,5 +274,12 @@ OPS = [
         ("step 0", dict(step=0), ValueError, "step"),
         ("more than 64 directions", dict(basis=torch.zeros(65, 40), newton_scale=torch.zeros(65)), ValueError,
          "at most 64"),
+        ("grad of another length", dict(grad=torch.zeros(39)), ValueError, "grad must be 1-D"),
+        ("basis of another width", dict(basis=torch.zeros(3, 39)), ValueError, "basis must be"),
+        ("transposed basis", dict(basis=torch.zeros(40, 3).T), ValueError, "basis"),
+        ("a scale per direction", dict(newton_scale=torch.zeros(4)), ValueError, "newton_scale"),
+        ("the velocity is the Newton scale",
+         lambda call: call.update(g1_velocity=call["newton_scale"], g1_decay=0.5), ValueError,
+         "newton_scale and g1_velocity"),
     ]),
 ]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonopt
-from tritonopt._ops.kfac import (
+from tritonopt.ops import (
     eigen_inv_denominator,
     eigenbasis_precondition,
     eigenbasis_precondition_prediv,
@@ -296,108 +296,6 @@ def test_pack_triton_matches_reference_bitwise():
 
 
 # --------------------------------------------------------------------------- registration
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
-    a_factor, g_factor = spd(5, 1), spd(3, 2)
-    qa, da = eig32(a_factor)
-    qg, dg = eig32(g_factor)
-    grad = torch.randn(3, 5)
-    ops = torch.ops.tritonopt
-    target = backend_device(backend)
-    qa, da, qg, dg, grad, a_factor = (t.to(target) for t in (qa, da, qg, dg, grad, a_factor))
-    with tritonopt.use_backend(backend):
-        torch.library.opcheck(ops.kfac_factor_update,
-                              (spd(5, 3, dtype=torch.float32).to(target), torch.randn(7, 4, device=target), 0.9,
-                               True, 0.5, "tf32x3"))
-        torch.library.opcheck(ops.eigenbasis_precondition, (grad, qa, da, qg, dg, 0.1, "tf32x3"))
-        torch.library.opcheck(ops.eigenbasis_precondition_prediv,
-                              (grad, qa, qg, eigen_inv_denominator(dg, da, 0.1), "ieee"))
-        torch.library.opcheck(ops.triu_pack, (a_factor.float(), torch.float16, 1.0))
-        torch.library.opcheck(ops.triu_unpack, (torch.randn(15, device=target), 5, torch.float32, 0.25))
-
-
-# --------------------------------------------------------------------------- bad input
-
-
-def _factor_bad_inputs():
-    f = lambda d=5: torch.eye(d)  # noqa: E731
-    x = torch.randn(6, 5)
-    return [
-        ("factor not tensor", [[1.0]], x, 0.5, {}, TypeError, "factor"),
-        ("x 1-D", f(), torch.randn(5), 0.5, {}, ValueError, "x"),
-        ("x empty", f(), torch.randn(0, 5), 0.5, {}, ValueError, "x"),
-        ("x int", f(), torch.ones(6, 5, dtype=torch.int32), 0.5, {}, TypeError, "x"),
-        ("shape", f(4), x, 0.5, {}, ValueError, "factor"),
-        ("bias shape", f(5), x, 0.5, {"append_bias": True}, ValueError, "factor"),
-        ("factor fp16", f().half(), x, 0.5, {}, TypeError, "factor"),
-        ("strided factor", torch.eye(10)[::2, ::2], x, 0.5, {}, ValueError, "factor"),
-        ("decay high", f(), x, 1.5, {}, ValueError, "decay"),
-        ("decay nan", f(), x, float("nan"), {}, ValueError, "decay"),
-        ("decay str", f(), x, "0.5", {}, TypeError, "decay"),
-        ("scale inf", f(), x, 0.5, {"scale": float("inf")}, ValueError, "scale"),
-        ("bias int", f(), x, 0.5, {"append_bias": 1}, TypeError, "append_bias"),
-        ("precision", f(), x, 0.5, {"precision": "fp8"}, ValueError, "precision"),
-        ("meta x", f(), torch.randn(6, 5, device="meta"), 0.5, {}, ValueError, "x"),
-    ]
-
-
-@pytest.mark.parametrize("case", _factor_bad_inputs(), ids=lambda c: c[0])
-def test_factor_update_rejects_bad_input(case):
-    _, factor, x, decay, kwargs, exc, word = case
-    before = factor.clone() if isinstance(factor, torch.Tensor) else None
-    with pytest.raises(exc, match=word):
-        kfac_factor_update(factor, x, decay, **kwargs)
-    if before is not None:
-        assert torch.equal(factor, before)
-
-
-def test_factor_update_rejects_aliasing():
-    buf = torch.zeros(5, 5)
-    with pytest.raises(ValueError, match="share memory"):
-        kfac_factor_update(buf, buf, 0.5)
-
-
-def test_precondition_rejects_bad_input():
-    grad, qa, da, qg, dg = torch.randn(3, 5), torch.eye(5), torch.ones(5), torch.eye(3), torch.ones(3)
-    cases = [
-        ((grad[0], qa, da, qg, dg, 0.1), ValueError, "grad"),
-        ((grad, torch.eye(4), da, qg, dg, 0.1), ValueError, "qa"),
-        ((grad, qa, da, torch.eye(5), dg, 0.1), ValueError, "qg"),
-        ((grad, qa, torch.ones(4), qg, dg, 0.1), ValueError, "da"),
-        ((grad, qa, da, qg, torch.ones(5), 0.1), ValueError, "dg"),
-        ((grad, qa, da, qg, dg, 0.0), ValueError, "damping"),
-        ((grad, qa, da, qg, dg, -1.0), ValueError, "damping"),
-        ((grad.double(), qa, da, qg, dg, 0.1), TypeError, "grad"),
-        ((grad, qa.int(), da, qg, dg, 0.1), TypeError, "qa"),
-        ((grad, qa, da, qg.to("meta"), dg, 0.1), ValueError, "qg"),
-    ]
-    for args, exc, word in cases:
-        with pytest.raises(exc, match=word):
-            eigenbasis_precondition(*args)
-    with pytest.raises(ValueError, match="inv_denominator"):
-        eigenbasis_precondition_prediv(grad, qa, qg, torch.ones(5, 3))
-    with pytest.raises(ValueError, match="precision"):
-        eigenbasis_precondition(grad, qa, da, qg, dg, 0.1, precision="fast")
-    with pytest.raises(ValueError, match="damping"):
-        eigen_inv_denominator(dg, da, float("nan"))
-
-
-def test_pack_rejects_bad_input():
-    with pytest.raises(ValueError, match="matrix"):
-        triu_pack(torch.randn(3, 4))
-    with pytest.raises(TypeError, match="dtype"):
-        triu_pack(torch.randn(3, 3), torch.int32)
-    with pytest.raises(ValueError, match="packed"):
-        triu_unpack(torch.randn(5), 3)
-    with pytest.raises(TypeError, match="dim"):
-        triu_unpack(torch.randn(6), 3.0)
-    with pytest.raises(ValueError, match="packed"):
-        triu_unpack(torch.randn(12)[::2], 3)
-
-
-# --------------------------------------------------------------------------- GPU, real sizes
 
 
 @pytest.mark.gpu

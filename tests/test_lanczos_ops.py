@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tritonopt
-from tritonopt._ops.lanczos import gram_schmidt_coefficients, gram_schmidt_project, gram_schmidt_subtract
+from tritonopt.ops import gram_schmidt_coefficients, gram_schmidt_project, gram_schmidt_subtract
 from tritonopt.optim._lanczos import (
     default_lanczos_iters,
     lanczos,
@@ -134,47 +134,6 @@ def test_cgs2_restores_orthogonality_in_float32(backend):
     cos_twice = (basis.double() @ twice.double()).abs().max() / twice.double().norm()
     assert cos_twice < 1e-4
     assert cos_once > 10 * cos_twice
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(basis=[[1.0]]), "basis must be a torch.Tensor"),
-        (dict(basis=torch.zeros(3)), "basis must be 2-D"),
-        (dict(h=torch.zeros(4)), "h must be 1-D"),
-        (dict(h=torch.zeros(5, dtype=torch.float64)), "h must have basis's dtype"),
-        (dict(basis=torch.zeros(3, 5, dtype=torch.float16), h=torch.zeros(5, dtype=torch.float16)), "basis must be float32"),
-        (dict(basis=torch.zeros(5, 3).T), "basis must be contiguous"),
-        (dict(num_rows=4), "num_rows"),
-        (dict(num_rows=-1), "num_rows"),
-        (dict(num_rows=1.0), "num_rows must be an int"),
-        (dict(passes=0), "passes"),
-    ],
-)
-def test_bad_arguments_are_named(kwargs, match):
-    args = dict(basis=torch.zeros(3, 5), h=torch.zeros(5), num_rows=2, passes=1)
-    args.update(kwargs)
-    with pytest.raises((TypeError, ValueError), match=match):
-        gram_schmidt_project(**args)
-
-
-def test_subtract_rejects_long_coefficients():
-    with pytest.raises(ValueError, match="coef"):
-        gram_schmidt_subtract(torch.zeros(3, 5), torch.zeros(5), torch.zeros(4))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
-    target = backend_device(backend)
-    basis = orthonormal_rows(4, 300, 0, torch.float32).to(target)
-    h = torch.randn(300, device=target)
-    with tritonopt.use_backend(backend):
-        torch.library.opcheck(torch.ops.tritonopt.gram_schmidt_project, (basis, h, 3, 2))
-        torch.library.opcheck(torch.ops.tritonopt.gram_schmidt_coefficients, (basis, h, 3))
-        torch.library.opcheck(torch.ops.tritonopt.gram_schmidt_subtract, (basis, h, torch.randn(3, device=target)))
-
-
-# --------------------------------------------------------------------------- Lanczos
 
 
 def tiny_mlp_problem():

@@ -14,6 +14,7 @@ import pytest
 import torch
 from _helpers import BACKENDS
 from _op_table import OPS
+from conftest import backend_device
 
 import tritonopt
 
@@ -43,6 +44,13 @@ def _cases(info) -> list:
     return cases + list(info.bad)
 
 
+def _on(backend: str, call: dict) -> dict:
+    """The call's CPU tensors moved to where ``backend`` runs (meta tensors stay on meta)."""
+    target = backend_device(backend)
+    return {name: value.to(target) if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
+            for name, value in call.items()}
+
+
 BAD_CASES = [
     pytest.param(info, description, changes, exception, word, id=f"{info.name}-{description}")
     for info in OPS
@@ -53,11 +61,14 @@ BAD_CASES = [
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("info, description, changes, exception, word", BAD_CASES)
 def test_bad_input_is_named_and_changes_nothing(backend, info, description, changes, exception, word):
-    call = info.sample()
-    if "alias" in changes.values():
-        shared = call[next(name for name in changes if name in info.updated)]
-        changes = {name: shared for name in changes}
-    call.update(changes)
+    call = _on(backend, info.sample())
+    if callable(changes):
+        changes(call)
+    else:
+        if "alias" in changes.values():
+            shared = call[next(name for name in changes if name in info.updated)]
+            changes = {name: shared for name in changes}
+        call.update(_on(backend, changes))
     before = {name: value.clone() for name, value in call.items()
               if isinstance(value, torch.Tensor) and value.device.type != "meta"}
     with tritonopt.use_backend(backend), pytest.raises(exception, match=word):
@@ -90,14 +101,14 @@ def test_an_empty_call_runs_and_returns_empty_or_unchanged_results(backend, info
     with tritonopt.use_backend("reference"):
         expected = _outputs(info.op(**info.empty()))
     with tritonopt.use_backend(backend):
-        got = _outputs(info.op(**info.empty()))
+        got = _outputs(info.op(**_on(backend, info.empty())))
     assert [t.shape for t in got] == [t.shape for t in expected]
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a.cpu(), b)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("info", [info for info in OPS if info.op.custom_op is not None], ids=lambda info: info.name)
 def test_opcheck(backend, info):
     with tritonopt.use_backend(backend):
-        torch.library.opcheck(info.op.custom_op, (), info.sample())
+        torch.library.opcheck(info.op.custom_op, (), _on(backend, info.sample()))
