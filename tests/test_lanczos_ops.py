@@ -103,20 +103,21 @@ def test_halves_triton_match_reference(m, n, rows_fraction, dtype, seed):
 @pytest.mark.parametrize("n", [1037, 2048])
 def test_padded_row_stride_gives_the_same_bits(n):
     """A basis whose rows start every multiple of 16 elements (a [:, :n] view of a wider,
-    NaN-filled buffer, so its loads vectorise) gives the projection the contiguous basis gives."""
-    from tritonopt.kernels.lanczos import gram_schmidt_project_triton
-
+    NaN-filled buffer, so its loads vectorise) gives the projection the contiguous basis gives;
+    the public op takes such a view."""
     target = backend_device("triton")
     basis = orthonormal_rows(6, n, n, torch.float32)
     h = torch.randn(n, generator=torch.Generator().manual_seed(n + 1))
     padded = torch.full((6, -(-n // 16) * 16 + 16), float("nan"), device=target)[:, :n]
     padded.copy_(basis)
-    got = [t.cpu() for t in gram_schmidt_project_triton(padded, h.to(target), 5, 2)]
+    with tritonopt.use_backend("triton"):
+        got = [t.cpu() for t in gram_schmidt_project(padded, h.to(target), 5, 2)]
     expected, _ = dense_projection(basis, h, 5)
     # The float32 bound of test_projection_matches_dense_float64.
     assert (got[0].double() - expected).abs().max() <= 2e-5 * max(1.0, float(h.double().norm()))
     if n % 16 == 0:  # both row strides are multiples of 16: the same compiled code, the same bits
-        contiguous = gram_schmidt_project_triton(basis.to(target), h.to(target), 5, 2)
+        with tritonopt.use_backend("triton"):
+            contiguous = gram_schmidt_project(basis.to(target), h.to(target), 5, 2)
         for a, b in zip(got, contiguous):
             assert torch.equal(a, b.cpu())
 

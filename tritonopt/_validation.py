@@ -65,6 +65,21 @@ def check_tensor(
         raise ValueError(f"{name} must be contiguous (call .contiguous())")
 
 
+def check_row_major(name: str, value: torch.Tensor, *, updated_in_place: bool = False) -> None:
+    """A 2-D tensor whose rows are contiguous; rows may be padded (``stride(0) >= shape[1]``).
+
+    Buffers allocated as ``[m, ceil16(n)]`` and passed as their ``[:, :n]`` view
+    keep every row aligned for vector loads.
+    """
+    if value.dim() != 2 or (value.numel() and (value.stride(1) != 1 or value.stride(0) < value.shape[1])):
+        raise ValueError(
+            f"{name} must be row-major (contiguous rows, padding after each row allowed), got strides "
+            f"{tuple(value.stride())}"
+        )
+    if updated_in_place and value.requires_grad:
+        raise ValueError(f"{name} must not require grad: it is updated in place")
+
+
 def check_same_device(reference_name: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
     """Every tensor in ``others`` (``None`` ones skipped) is on ``reference``'s device."""
     for name, t in others.items():

@@ -13,6 +13,7 @@ from tritonopt._validation import (
     check_disjoint,
     check_float,
     check_int,
+    check_row_major,
     check_same_device,
     check_tensor,
 )
@@ -59,7 +60,7 @@ def fosi_step(
     Args:
         param: ``[n]`` float32, contiguous; the parameters, updated in place.
         grad: ``[n]`` float32/float16/bfloat16, contiguous; not modified.
-        basis: ``[r, n]`` float32, contiguous, orthonormal rows (``r = k + l <= 64``;
+        basis: ``[r, n]`` float32, row-major (rows may be padded), orthonormal rows (``r = k + l <= 64``;
             ``r = 0`` gives exactly the base optimizer's step).
         newton_scale: ``[r]`` float32: ``s_j = alpha / lambda_j`` (paper) or
             ``alpha / |lambda_j|`` (FOSI reference code).
@@ -89,8 +90,7 @@ def fosi_step(
         raise ValueError(f"basis must be [r, {n}], got shape {tuple(basis.shape)}")
     check_tensor("basis", basis, dtypes=(torch.float32,))
     check_same_device("param", param, basis=basis)
-    if not basis.is_contiguous():
-        raise ValueError("basis must be contiguous (one basis vector per row)")
+    check_row_major("basis", basis)
     r = basis.shape[0]
     if r > MAX_RANK:
         raise ValueError(f"basis may have at most {MAX_RANK} rows (k + l), got {r}")

@@ -18,6 +18,7 @@ from tritonopt._validation import (
     check_disjoint,
     check_float,
     check_int,
+    check_row_major,
     check_same_device,
     check_tensor,
     dtype_names,
@@ -62,7 +63,8 @@ def kfac_factor_update(
     reference implementation does.
 
     Args:
-        factor: ``[dim, dim]`` float32 contiguous, ``dim = x.shape[1] + append_bias``.
+        factor: ``[dim, dim]`` float32, row-major (rows may be padded, as a view of a
+            ``[dim, ceil16(dim)]`` buffer), ``dim = x.shape[1] + append_bias``.
             Only its upper triangle is read; it is written symmetric to the last bit.
             Not read at all when ``decay == 0``.
         x: ``[n, in_dim]``, float32/float16/bfloat16, any strides; products
@@ -91,7 +93,7 @@ def kfac_factor_update(
         )
     check_tensor("factor", factor, dtypes=(torch.float32,))
     check_same_device("factor", factor, x=x)
-    check_tensor("factor", factor, updated_in_place=True)
+    check_row_major("factor", factor, updated_in_place=True)
     check_disjoint({"factor": factor, "x": x}, updated=("factor",))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tritonopt._ops._registry import define_op
-from tritonopt._validation import check_int, check_same_device, check_tensor
+from tritonopt._validation import check_int, check_row_major, check_same_device, check_tensor
 from tritonopt.kernels import lanczos as _kernels
 
 __all__ = ["gram_schmidt_coefficients", "gram_schmidt_project", "gram_schmidt_subtract"]
@@ -29,8 +29,7 @@ def _check_basis_and_vector(basis, h) -> None:
     if h.dtype != basis.dtype:
         raise TypeError(f"h must have basis's dtype {basis.dtype}, got {h.dtype}")
     check_same_device("basis", basis, h=h)
-    if not basis.is_contiguous():
-        raise ValueError("basis must be contiguous (row-major, one basis vector per row)")
+    check_row_major("basis", basis)
     check_tensor("h", h, contiguous=True)
 
 
@@ -41,7 +40,8 @@ def gram_schmidt_project(
     """Orthogonalise ``h`` against the first ``num_rows`` rows of ``basis`` (Lanczos, FOSI Alg. 1 line 8).
 
     Args:
-        basis: ``[m, n]`` float32 or float64, contiguous; row ``j`` is a basis
+        basis: ``[m, n]`` float32 or float64, row-major (rows may be padded, e.g. the
+            ``[:, :n]`` view of an ``[m, ceil16(n)]`` buffer); row ``j`` is a basis
             vector (rows ``0..num_rows-1`` are assumed orthonormal).
         h: ``[n]``, basis's dtype and device, contiguous. Not modified.
         num_rows: how many leading rows take part, ``0 <= num_rows <= m``; the
