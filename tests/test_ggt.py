@@ -93,6 +93,6 @@ def test_state_bytes():
     set_grads(params, gradient_stream(SHAPES, 1)[0])
     with tritonopt.use_backend("reference"):
         opt.step()
-    # ring, error and packed-gradient scratch (29 padded to 32), Gram matrix, step counters
-    assert opt.state_bytes() == 4 * 3 * 2 * (4 + 4) + 2 * 4 * 32 + 8 * 9 + 4 * len(params)
+    # ring (int16 indices, float32 values), error and packed-gradient scratch (29 padded to 32), Gram matrix, step counters
+    assert opt.state_bytes() == 4 * 3 * 2 * (2 + 4) + 2 * 4 * 32 + 8 * 9 + 4 * len(params)
     assert opt.state_bytes() == opt.expected_state_bytes()

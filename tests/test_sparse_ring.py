@@ -200,6 +200,49 @@ def test_insert_is_idempotent_and_tuning_does_not_copy_the_ring(backend):
     assert torch.equal(indices, once_i) and torch.equal(values, once_v)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int16_ring_gives_the_int32_results(backend):
+    indices, values = random_ring(3, 4, 5, 40, filled=3, seed=11)
+    narrow = indices.to(torch.int16)
+    x = torch.randn(3, 40)
+    w = torch.randn(4)
+    assert torch.equal(run_on_backend(backend, sparse_sp, narrow, values, x),
+                       run_on_backend(backend, sparse_sp, indices, values, x))
+    assert torch.equal(run_on_backend(backend, sparse_lcg, narrow, values, w, 40),
+                       run_on_backend(backend, sparse_lcg, indices, values, w, 40))
+    new_i = torch.randint(0, 40, (3, 5), dtype=torch.int16)
+    new_v = torch.randn(3, 5)
+    run_on_backend(backend, sparse_ring_insert, narrow, values, 3, new_i, new_v)
+    assert narrow.dtype == torch.int16 and torch.equal(narrow[:, 3], new_i)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_insert_refuses_indices_of_another_dtype(backend):
+    indices, values = random_ring(2, 3, 2, 8, filled=1)
+    with pytest.raises(TypeError, match="new_indices must be int16"):
+        run_on_backend(backend, sparse_ring_insert, indices.to(torch.int16), values, 0,
+                       torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_block_positions_contribute_nothing(backend):
+    indices, values = random_ring(2, 3, 4, 10, filled=3, seed=5)
+    inside = dense_oracle(indices, values, 10)
+    indices[0, 1, 2] = 10  # one past the block: the layout's contract says such an entry is ignored
+    indices[1, 0, 0] = 37
+    values_in = values.clone()
+    values_in[0, 1, 2] = 0
+    values_in[1, 0, 0] = 0
+    expected = dense_oracle(torch.where(values_in == 0, 0, indices), values_in, 10)
+    x = torch.randn(2, 10)
+    w = torch.randn(3)
+    products = run_on_backend(backend, sparse_sp, indices, values, x)
+    combination = run_on_backend(backend, sparse_lcg, indices, values, w, 10)
+    torch.testing.assert_close(products.double(), expected @ x.double().view(-1), **tolerance(values))
+    torch.testing.assert_close(combination.double().view(-1), w.double() @ expected, **tolerance(values))
+    assert not torch.allclose(expected, inside)  # the test moved real entries out
+
+
 def test_densify_ring_matches_the_oracle():
     indices, values = random_ring(2, 3, 4, 9, filled=2, seed=4)
     torch.testing.assert_close(densify_ring(indices, values, 9).double(), dense_oracle(indices, values, 9))

@@ -15,10 +15,11 @@ from tritonopt.kernels import sparse_ring as _kernels
 __all__ = ["sparse_sp", "sparse_lcg", "sparse_ring_insert", "densify_ring"]
 
 _VALUE_DTYPES = (torch.float32, torch.bfloat16)
+_INDEX_DTYPES = (torch.int16, torch.int32)
 
 
 def _check_ring(indices: torch.Tensor, values: torch.Tensor, *, updated_in_place: bool = False) -> None:
-    check_tensor("indices", indices, ndim=3, dtypes=(torch.int32,))
+    check_tensor("indices", indices, ndim=3, dtypes=_INDEX_DTYPES)
     check_tensor("values", values, shape=indices.shape, dtypes=_VALUE_DTYPES)
     check_same_device("indices", indices, values=values)
     check_tensor("indices", indices, contiguous=True, updated_in_place=updated_in_place)
@@ -33,12 +34,14 @@ def sparse_sp(indices: torch.Tensor, values: torch.Tensor, x: torch.Tensor) -> t
     for the dense rows ``G`` the buffer stands for (EFCP sec. 3.1, "SP").
 
     Args:
-        indices: ``[num_blocks, m, k]`` int32, positions within each block.
+        indices: ``[num_blocks, m, k]`` int16 (for blocks of at most 32768) or
+            int32, positions within each block.
         values: ``[num_blocks, m, k]`` float32 or bfloat16.
         x: ``[num_blocks, block_size]`` float32 (the vector, cut into blocks).
 
     Returns:
-        ``[m]`` float32. Rows never written (all zero) give 0. Deterministic.
+        ``[m]`` float32. Rows never written (all zero) give 0; an entry whose index
+        lies outside ``[0, block_size)`` adds nothing. Deterministic.
     """
     _check_ring(indices, values)
     num_blocks, _, k = indices.shape
@@ -74,6 +77,7 @@ def sparse_lcg(indices: torch.Tensor, values: torch.Tensor, weights: torch.Tenso
     Returns:
         ``[num_blocks, block_size]`` float32. The Triton path adds rows in slot
         order without atomics: the same inputs give the same bits on every run.
+        An entry whose index lies outside ``[0, block_size)`` adds nothing.
     """
     _check_ring(indices, values)
     check_tensor("weights", weights, shape=(indices.shape[1],), dtypes=(torch.float32,), contiguous=True)
@@ -98,13 +102,14 @@ def sparse_ring_insert(
     Args:
         indices, values: the buffer ``[num_blocks, m, k]``, updated in place.
         slot: the row to overwrite, ``0 <= slot < m``.
-        new_indices: ``[num_blocks, k]`` int32; new_values: ``[num_blocks, k]``
-            float32 (rounded to the buffer's dtype when it is bfloat16).
+        new_indices: ``[num_blocks, k]`` in the buffer's index dtype (int16 or int32);
+            new_values: ``[num_blocks, k]`` float32 (rounded to the buffer's dtype when it
+            is bfloat16).
     """
     _check_ring(indices, values, updated_in_place=True)
     num_blocks, m, k = indices.shape
     check_int("slot", slot, low=0, high=m - 1)
-    check_tensor("new_indices", new_indices, shape=(num_blocks, k), dtypes=(torch.int32,), contiguous=True)
+    check_tensor("new_indices", new_indices, shape=(num_blocks, k), dtypes=(indices.dtype,), contiguous=True)
     check_tensor("new_values", new_values, shape=(num_blocks, k), dtypes=(torch.float32,), contiguous=True)
     check_same_device("indices", indices, new_indices=new_indices, new_values=new_values)
     check_disjoint(

@@ -6,7 +6,7 @@ blocks, ``k`` entries kept per block.
 
 Layout (block-major)::
 
-    indices : [num_blocks, m, k]  int32, positions within the block, in [0, block_size)
+    indices : [num_blocks, m, k]  int16 (block_size <= 32768) or int32, positions within the block
     values  : [num_blocks, m, k]  float32 or bfloat16
 
 Row ``r`` of the buffer is the dense vector ``G[r]`` of length
@@ -17,10 +17,11 @@ so one program reads its slice once and a d-block of ``x`` (SP) or of the output
 of ``k`` entries, ``O(k)`` work per step. Rows never written are all zero
 (index 0, value 0) and contribute nothing.
 
-Contract: within one block of one row, positions holding a nonzero value are
-distinct (true of every ``ef_topk`` row, and of all-zero rows). Indices must lie
-in ``[0, block_size)``; the kernels mask anything else, so a bad index never
-touches memory outside the block, but its result is then unspecified.
+Contract: within one block of one row, the positions are distinct, except that
+entries of value 0 may repeat (true of every ``ef_topk`` row, of all-zero rows
+and of rows padded with zeros). An entry whose index lies outside
+``[0, block_size)`` contributes nothing, on both backends: it never touches
+memory outside its block.
 
 Math::
 
@@ -81,7 +82,7 @@ def _device_guard(t: torch.Tensor):
 @autotune(_sp_configs, key=["m_bucket", "BLOCK_K"], pinned=True)  # writes every partial
 @jit
 def _sparse_sp_kernel(
-    idx_ptr,  # [num_blocks, m, k] int32
+    idx_ptr,  # [num_blocks, m, k] int16 / int32
     val_ptr,  # [num_blocks, m, k] fp32 / bf16
     x_ptr,  # [num_blocks, block_size] fp32
     partial_ptr,  # [num_blocks, m] fp32, output
@@ -119,7 +120,7 @@ def _sparse_sp_kernel(
 @autotune(_lcg_configs, key=["m_bucket", "BLOCK_K"])  # rewrites the whole output
 @jit
 def _sparse_lcg_kernel(
-    idx_ptr,  # [num_blocks, m, k] int32
+    idx_ptr,  # [num_blocks, m, k] int16 / int32
     val_ptr,  # [num_blocks, m, k] fp32 / bf16
     w_ptr,  # [m] fp32
     out_ptr,  # [num_blocks, block_size] fp32, output (fully written)
@@ -172,7 +173,7 @@ def _sparse_lcg_kernel(
 @autotune(_lcg_configs, key=["BLOCK_K"])
 @jit
 def _ring_insert_kernel(
-    idx_ptr,  # [num_blocks, m, k] int32, updated in place
+    idx_ptr,  # [num_blocks, m, k] int16 / int32, updated in place
     val_ptr,  # [num_blocks, m, k] fp32 / bf16, updated in place
     new_idx_ptr,  # [num_blocks, k] int32
     new_val_ptr,  # [num_blocks, k] fp32
@@ -190,7 +191,7 @@ def _ring_insert_kernel(
         mask = c < k
         idx = tl.load(new_idx_ptr + src + c, mask=mask, other=0)
         val = tl.load(new_val_ptr + src + c, mask=mask, other=0.0)
-        tl.store(idx_ptr + dst + c, idx, mask=mask)
+        tl.store(idx_ptr + dst + c, idx.to(idx_ptr.dtype.element_ty), mask=mask)
         tl.store(val_ptr + dst + c, val.to(val_ptr.dtype.element_ty), mask=mask)
 
 
@@ -265,13 +266,20 @@ def _absolute_indices(indices: torch.Tensor, block_size: int) -> torch.Tensor:
     return indices.long() + starts.view(num_blocks, 1, 1)
 
 
+def _in_block(indices: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices with those outside ``[0, block_size)`` moved to 0, and which ones are inside."""
+    inside = (indices >= 0) & (indices < block_size)
+    return torch.where(inside, indices, torch.zeros_like(indices)), inside
+
+
 def sparse_sp_reference(indices: torch.Tensor, values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Plain-PyTorch SP: ``gather`` then a sum over blocks and entries, in x's dtype (>= float32)."""
     num_blocks, m, k = indices.shape
     dtype = torch.promote_types(x.dtype, torch.float32)
     flat_x = x.reshape(-1).to(dtype)
-    gathered = flat_x[_absolute_indices(indices, x.shape[1])]
-    return (values.to(dtype) * gathered).sum(dim=(0, 2)) if num_blocks else flat_x.new_zeros(m)
+    safe, inside = _in_block(indices, x.shape[1])
+    gathered = flat_x[_absolute_indices(safe, x.shape[1])]
+    return (values.to(dtype) * inside * gathered).sum(dim=(0, 2)) if num_blocks else flat_x.new_zeros(m)
 
 
 def sparse_lcg_reference(
@@ -285,8 +293,9 @@ def sparse_lcg_reference(
     num_blocks = indices.shape[0]
     dtype = torch.promote_types(weights.dtype, torch.float32)
     out = torch.zeros(num_blocks * block_size, dtype=dtype, device=values.device)
-    contributions = weights.to(dtype).view(1, -1, 1) * values.to(dtype)
-    out.index_add_(0, _absolute_indices(indices, block_size).reshape(-1), contributions.reshape(-1))
+    safe, inside = _in_block(indices, block_size)
+    contributions = weights.to(dtype).view(1, -1, 1) * values.to(dtype) * inside
+    out.index_add_(0, _absolute_indices(safe, block_size).reshape(-1), contributions.reshape(-1))
     return out.view(num_blocks, block_size)
 
 

@@ -117,6 +117,12 @@ class SparseWindow:
     With ``error_dtype=torch.bfloat16`` the error is stored in bfloat16 (half the
     memory): ``a = g + e`` is formed in float32 and the new residual is rounded
     once when stored, so the feedback loses that rounding (about 2^-9 of ``e``).
+
+    Every block keeps ``ceil(density * its length)`` entries: the last block,
+    when the vector does not fill it, keeps fewer than the others, and its
+    unused slots in the ring hold value 0 at distinct positions of its padding
+    (never selected, so they add nothing). Indices are int16 for blocks of at
+    most 32768 entries (the ring is a third smaller), int32 above.
     """
 
     BLOCKWISE = True
@@ -139,12 +145,16 @@ class SparseWindow:
                 raise ValueError(f"{name} must be torch.float32 or torch.bfloat16, got {group[name]!r}")
 
     @staticmethod
+    def index_dtype(block_size: int) -> torch.dtype:
+        return torch.int16 if block_size <= 32768 else torch.int32
+
+    @staticmethod
     def initial_state(state: dict, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
         m = group["ngrads"]
         k = kept_per_block(group["density"], None, layout.block_size)
         shape = (layout.num_blocks, m, k)
         return {
-            "ring_indices": torch.zeros(shape, dtype=torch.int32, device=layout.device),
+            "ring_indices": torch.zeros(shape, dtype=SparseWindow.index_dtype(layout.block_size), device=layout.device),
             "ring_values": torch.zeros(shape, dtype=group["values_dtype"], device=layout.device),
             **_gram_state(m, layout.device),
         }
@@ -154,7 +164,8 @@ class SparseWindow:
         m, total = group["ngrads"], sum(p.numel() for p in params)
         block_size = min(group["block_size"], total)
         shape = (-(-total // block_size), m, kept_per_block(group["density"], None, block_size))
-        return {"ring_indices": (shape, torch.int32), "ring_values": (shape, group["values_dtype"]),
+        return {"ring_indices": (shape, SparseWindow.index_dtype(block_size)),
+                "ring_values": (shape, group["values_dtype"]),
                 "dots": ((m, m), torch.float64)}, _no_entries
 
     @staticmethod
@@ -166,7 +177,8 @@ class SparseWindow:
             if narrow_error:  # a = g + e in float32, in the gradient's scratch; the residual starts from 0
                 packed.grad.add_(packed.error)
             error = packed.error if group["error_feedback"] and not narrow_error else torch.zeros_like(packed.grad)
-            indices, values = ef_topk(packed.grad, error, indices_ring.shape[2])
+            indices, values = SparseWindow.compress(packed.grad, error, packed.layout, group["density"],
+                                                    indices_ring.shape[2])
             if values_ring.dtype != torch.float32:
                 stored = values.to(values_ring.dtype).to(torch.float32)
                 error.scatter_(1, indices.long(), values - stored)
@@ -175,11 +187,30 @@ class SparseWindow:
                 packed.error.copy_(error)
             compressed = torch.zeros_like(packed.grad).scatter_(1, indices.long(), values)
         with nvtx_range(f"tritonopt/{algo}/insert"):
-            sparse_ring_insert(indices_ring, values_ring, slot, indices, values)
+            sparse_ring_insert(indices_ring, values_ring, slot, indices.to(indices_ring.dtype), values)
         with nvtx_range(f"tritonopt/{algo}/sp"):
             products = sparse_sp(indices_ring, values_ring, compressed)
         packed.stats["error_norm"] = error.norm()  # what this step left out (kept for the next with feedback)
         return products
+
+    @staticmethod
+    def compress(grad: torch.Tensor, error: torch.Tensor, layout: BlockLayout, density: float, k: int):
+        """``ef_topk`` with ``k`` per full block and ``ceil(density * length)`` in a partial last block.
+
+        The last block's row is padded to ``k`` with value 0 at its padding's
+        first positions, which the selection never takes (they hold zeros and
+        ties go to the lower position), so all positions in the row stay distinct.
+        """
+        last_length = layout.total - (layout.num_blocks - 1) * layout.block_size
+        k_last = kept_per_block(density, None, last_length)
+        if k_last >= k:
+            return ef_topk(grad, error, k)
+        head_indices, head_values = ef_topk(grad[:-1], error[:-1], k)
+        last_indices, last_values = ef_topk(grad[-1:], error[-1:], k_last)
+        padding = torch.arange(last_length, last_length + k - k_last, dtype=torch.int32, device=grad.device)
+        indices = torch.cat([head_indices, torch.cat([last_indices, padding.view(1, -1)], dim=1)])
+        values = torch.cat([head_values, torch.cat([last_values, last_values.new_zeros(1, k - k_last)], dim=1)])
+        return indices, values
 
     @staticmethod
     def combine(state: dict, group: dict, packed: PackedGroup, weights: torch.Tensor):
