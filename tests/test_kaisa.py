@@ -334,9 +334,14 @@ def test_formulas_on_a_hand_example():
     assert b["grad_broadcast"] == {"sent": 4 * 20 * 3, "received": 4 * 6 * 3}
     assert b["eigen_broadcast"] == {"sent": 0, "received": 0}
     tri = expected_bytes_per_rank(dims, a, 0, factor_steps=2, eigen_steps=1, steps=3, symmetry_aware=True)
-    assert tri["factor_allreduce"]["sent"] == 2 * 4 * (6 + 3 + 15 + 10)
+    assert tri["factor_allreduce"]["sent"] == 2 * 4 * (6 + 3 + 15 + 10 + 2)  # + one count per layer
 
 
-def test_needs_an_initialised_process_group():
-    with pytest.raises(RuntimeError, match="torch.distributed"):
-        KAISAPreconditioner(make_model())
+def test_runs_in_one_process_without_torch_distributed():
+    with tritonopt.use_backend("reference"):
+        kaisa = KAISAPreconditioner(make_model(), grad_worker_fraction=Strategy.MEM_OPT)
+        assert (kaisa.world_size, kaisa.rank, kaisa.strategy) == (1, 0, Strategy.COMM_OPT)
+        x, y = make_data()
+        nn.functional.cross_entropy(kaisa.model(x[0]), y[0]).backward()
+        assert kaisa.step() is True
+        assert kaisa.communicator.stats() == {}
