@@ -102,6 +102,11 @@ class FactorReducer:
         self.problem: Optional[str] = None
         self.error: Optional[BaseException] = None
 
+    @property
+    def started_buckets(self) -> int:
+        """How many of this step's buckets are under way."""
+        return len(self._started)
+
     # ------------------------------------------------------------ packing
 
     def _pack(self, bucket: list[int]) -> torch.Tensor:
