@@ -87,9 +87,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tritonopt._runtime import nvtx_range
-from tritonopt._validation import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int, dtype_names
+from tritonopt._validation import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int
+from tritonopt.dist import kaisa_assignment
 from tritonopt.dist._comm import CountingCommunicator
-from tritonopt.dist.kaisa_assignment import (
+from tritonopt.dist.kaisa_assignment import (  # noqa: F401 (re-exported)
     LAYOUTS,
     KAISAAssignment,
     Strategy,
@@ -104,18 +105,8 @@ from tritonopt.dist.kaisa_reduce import FactorReducer
 from tritonopt.optim.kfac import BaseKFACPreconditioner
 from tritonopt.optim.kfac_functional import Decomposition, kfac_eigen_data, kfac_precondition
 
-__all__ = [
-    "KAISAAssignment",
-    "KAISACollectiveError",
-    "KAISAPreconditioner",
-    "Strategy",
-    "eigen_numel",
-    "expected_bytes_per_rank",
-    "expected_memory_per_rank",
-    "resolve_grad_worker_fraction",
-    "strategy_of",
-    "valid_grad_worker_fractions",
-]
+# The assignment's names are re-exported: this module is KAISA's entry point.
+__all__ = ["KAISACollectiveError", "KAISAPreconditioner", *kaisa_assignment.__all__]
 
 
 class KAISACollectiveError(dist.DistError):
@@ -232,8 +223,8 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         check_choice("assignment_cost", assignment_cost, ("compute", "memory"))
         check_bool("colocate_factors", colocate_factors)
         check_bool("symmetry_aware", symmetry_aware)
-        if factor_comm_dtype is not None and factor_comm_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"factor_comm_dtype must be torch.{dtype_names(FLOAT_DTYPES)}, got {factor_comm_dtype!r}")
+        if factor_comm_dtype is not None:
+            check_choice("factor_comm_dtype", factor_comm_dtype, FLOAT_DTYPES)
         if bucket_cap_mb is not None:
             check_float("bucket_cap_mb", bucket_cap_mb, low=0.0)
         check_int("accumulation_steps", accumulation_steps, low=1)
@@ -390,22 +381,8 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
             else:
                 statistics = self.pending_statistics()
             self.check_capture(grads)
-            eigen_step = self.is_eigen_step()
-            if eigen_step:
-                problem = self.nonfinite_problem(grads, statistics)
-                if problem is not None:
-                    return self.refuse_step(problem)
-            with nvtx_range(f"tritonopt/{self.algorithm}/factor_fold"):
-                folded = self.fold_factors(statistics, hyper["factor_decay"])
-            eigen = {}
-            if eigen_step:
-                with nvtx_range(f"tritonopt/{self.algorithm}/eigen"):
-                    eigen = self._eigen_update(folded, hyper["damping"])
-            with nvtx_range(f"tritonopt/{self.algorithm}/precondition"):
-                preconditioned = self._precondition(grads, eigen, hyper["damping"])
-            with nvtx_range(f"tritonopt/{self.algorithm}/scale"):
-                return self.finish_step(grads, preconditioned, folded, eigen, hyper,
-                                        statistics=() if eigen_step else statistics)
+            return self.run_step(hyper, grads, statistics, eigen_update=self._eigen_update,
+                                 precondition=self._precondition)
         finally:
             if self.reducer is not None:
                 self.reducer.reset()

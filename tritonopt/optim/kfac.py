@@ -59,7 +59,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_bool
 from tritonopt.optim._kfac_layers import KFACLayer, UnsupportedLayerError
 from tritonopt.optim.kfac_base import BaseKFACPreconditioner
@@ -123,26 +122,16 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             hyper = self.step_hyperparameters()
             grads = self.read_gradients()
             self.check_capture(grads)
-            statistics = self.pending_statistics()
-            eigen_step = self.is_eigen_step()
-            if eigen_step:  # decompositions are costly: do not start them on non-finite input
-                problem = self.nonfinite_problem(grads, statistics)
-                if problem is not None:
-                    return self.refuse_step(problem)
-            with nvtx_range(f"tritonopt/{self.algorithm}/factor_fold"):
-                folded = self.fold_factors(statistics, hyper["factor_decay"])
-            eigen = {}
-            if eigen_step:
-                with nvtx_range(f"tritonopt/{self.algorithm}/eigen"):
-                    eigen = self.eigen_update(range(len(self.layers)), folded, hyper["damping"])
-            with nvtx_range(f"tritonopt/{self.algorithm}/precondition"):
-                preconditioned = {
-                    i: kfac_precondition(grad, eigen.get(i, self.layers[i].eigen), damping=hyper["damping"],
-                                         precision=self.precision)
-                    for i, grad in grads.items()
-                }
-            with nvtx_range(f"tritonopt/{self.algorithm}/scale"):
-                return self.finish_step(grads, preconditioned, folded, eigen, hyper,
-                                        statistics=() if eigen_step else statistics)
+            return self.run_step(hyper, grads, self.pending_statistics(), eigen_update=self._eigen_update,
+                                 precondition=self._precondition)
         finally:
             self.end_capture()
+
+    def _eigen_update(self, folded: dict, damping: float) -> dict:
+        return self.eigen_update(range(len(self.layers)), folded, damping)
+
+    def _precondition(self, grads: dict, eigen: dict, damping: float) -> dict:
+        return {
+            i: kfac_precondition(grad, eigen.get(i, self.layers[i].eigen), damping=damping, precision=self.precision)
+            for i, grad in grads.items()
+        }

@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from tritonopt._runtime import nvtx_range
 from tritonopt._validation import (
     FLOAT_DTYPES,
     check_bool,
@@ -39,7 +40,6 @@ from tritonopt._validation import (
     check_float,
     check_int,
     check_tensor,
-    dtype_names,
 )
 from tritonopt.ops import eigenbasis_precondition_prediv
 from tritonopt.optim._kfac_layers import KFACLayer, register_layers
@@ -94,11 +94,6 @@ def _check_grad_scaler(grad_scaler) -> None:
         "grad_scaler must be a torch.amp.GradScaler, a function returning the current loss scale, or None; "
         f"got {type(grad_scaler).__name__}"
     )
-
-
-def _check_storage_dtype(name: str, dtype) -> None:
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be torch.{dtype_names(FLOAT_DTYPES)}, got {dtype!r}")
 
 
 class _InputHook:
@@ -216,8 +211,8 @@ class BaseKFACPreconditioner:
         check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
         check_choice("compute_method", compute_method, COMPUTE_METHODS)
         _check_precision(precision)
-        _check_storage_dtype("factor_dtype", factor_dtype)
-        _check_storage_dtype("inv_dtype", inv_dtype)
+        check_choice("factor_dtype", factor_dtype, FLOAT_DTYPES)
+        check_choice("inv_dtype", inv_dtype, FLOAT_DTYPES)
         _check_grad_scaler(grad_scaler)
         if isinstance(skip_layers, (str, type)):
             skip_layers = (skip_layers,)
@@ -521,6 +516,39 @@ class BaseKFACPreconditioner:
             if a is not None and g is not None:
                 eigen[i] = kfac_eigen_data(a, g, damping=damping, prediv=self.prediv, dtype=self.inv_dtype)
         return eigen
+
+    def run_step(
+        self,
+        hyper: dict,
+        grads: dict[int, torch.Tensor],
+        statistics: list[int],
+        *,
+        eigen_update: Callable[[dict, float], dict],
+        precondition: Callable[[dict, dict, float], dict],
+    ) -> bool:
+        """A step once this step's statistics are in place: refuse, fold, update eigen data, precondition, commit.
+
+        ``eigen_update(folded, damping)`` returns the new eigen data this process
+        keeps; ``precondition(grads, eigen, damping)`` returns ``P`` of every layer
+        in ``grads``. (A distributed caller puts its collectives in these two.)
+        Returns :meth:`finish_step`'s answer.
+        """
+        eigen_step = self.is_eigen_step()
+        if eigen_step:  # decompositions are costly: do not start them on non-finite input
+            problem = self.nonfinite_problem(grads, statistics)
+            if problem is not None:
+                return self.refuse_step(problem)
+        with nvtx_range(f"tritonopt/{self.algorithm}/factor_fold"):
+            folded = self.fold_factors(statistics, hyper["factor_decay"])
+        eigen = {}
+        if eigen_step:
+            with nvtx_range(f"tritonopt/{self.algorithm}/eigen"):
+                eigen = eigen_update(folded, hyper["damping"])
+        with nvtx_range(f"tritonopt/{self.algorithm}/precondition"):
+            preconditioned = precondition(grads, eigen, hyper["damping"])
+        with nvtx_range(f"tritonopt/{self.algorithm}/scale"):
+            return self.finish_step(grads, preconditioned, folded, eigen, hyper,
+                                    statistics=() if eigen_step else statistics)
 
     def finish_step(
         self,
