@@ -140,7 +140,7 @@ class _CompletionForwardHook:
 
     def __call__(self, module, inputs, output):
         kaisa = self.preconditioner
-        if kaisa is None or not (kaisa._capturing and module.training and torch.is_grad_enabled()):
+        if kaisa is None or not (kaisa.capturing and module.training and torch.is_grad_enabled()):
             return
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(_CompletionGradHook(kaisa, self.index))
@@ -372,7 +372,7 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         try:
             hyper = self.step_hyperparameters()
             grads = self.read_gradients()
-            if self.reducer is not None and self._capturing:
+            if self.reducer is not None and self.capturing:
                 with nvtx_range(f"tritonopt/{self.algorithm}/factor_reduce"):
                     statistics = self._collective("the factor all-reduce", self.reducer.finish)
                 if self.reducer.problem:

@@ -287,6 +287,11 @@ class BaseKFACPreconditioner:
 
     # ------------------------------------------------------------------ statistics capture
 
+    @property
+    def capturing(self) -> bool:
+        """Whether the hooks capture statistics now (a factor-update step)."""
+        return self._capturing
+
     def capture_input(self, index: int, inputs: tuple, output) -> None:
         """Forward hook: add this micro-batch's A statistic; hook the output for G.
 
