@@ -157,7 +157,7 @@ def scenarios(rank, world):
         "damping": lambda: KAISAPreconditioner(make_model(), damping=0.01 if rank == 3 else 0.03),
         "grad_worker_fraction": lambda: KAISAPreconditioner(make_model(), grad_worker_fraction=0.5 if rank == 1 else 1.0),
         "layers": lambda: KAISAPreconditioner(make_model() if rank != 2 else nn.Sequential(nn.Linear(3, 4))),
-        "parameters": lambda: KAISAPreconditioner(make_model() if rank != 1 else nn.Sequential(*make_model()).apply(
+        "weights": lambda: KAISAPreconditioner(make_model() if rank != 1 else nn.Sequential(*make_model()).apply(
             lambda m: nn.init.zeros_(m.weight) if isinstance(m, nn.Linear) else None)),
     }
     out["disagreements"] = {}
@@ -263,9 +263,8 @@ def test_disagreeing_ranks_fail_at_construction_naming_the_difference(results):
     for rank in range(WORLD):
         for field, message in results[rank]["disagreements"].items():
             assert message is not None, (rank, field)
-            assert "disagree" in message and field in message, (rank, field, message)
-    message = results[3]["disagreements"]["damping"]
-    assert "ranks [0, 1, 2] / ranks [3]" in message and "rank 3 has 0.01" in message
+            assert "configured differently" in message and f"{field}: rank 0:" in message, (rank, field, message)
+        assert "damping: rank 0: 0.03, rank 1: 0.03, rank 2: 0.03, rank 3: 0.01" in results[rank]["disagreements"]["damping"]
 
 
 def test_too_many_passes_and_a_multi_rank_kfac_are_clear_errors(results):

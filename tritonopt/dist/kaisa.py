@@ -36,8 +36,8 @@ Collectives (all through a :class:`~tritonopt.dist._comm.CountingCommunicator`,
 every tensor contiguous), with bytes per rank per occurrence (``s`` = bytes per
 element of the tensor's dtype):
 
-* ``config_check`` (construction): one all-gather of one int64 fingerprint per
-  setting (see below);
+* ``config_check`` (construction): all-gathers of one int64 digest per setting
+  (see below);
 * ``factor_allreduce`` (factor-update steps): buckets holding ``s * (sum(a^2 + g^2) + L)``
   in all (``symmetry_aware``: ``s * (sum(a(a+1)/2 + g(g+1)/2) + L)``, ``L`` layers:
   one contribution count each), in ``factor_comm_dtype``;
@@ -53,12 +53,12 @@ element of the tensor's dtype):
   one-integer all-reduce (max) telling every rank whether some rank lacks eigen
   data, in which case the eigendecompositions are recomputed and re-broadcast.
 
-Agreement. At construction the ranks compare one fingerprint per setting (the
-registered layers and their shapes, a checksum of their parameters, each
-hyperparameter, ``grad_worker_fraction`` and every other option) with the
-``config_check`` all-gather, before any other group exists; a disagreement
-raises ``ValueError`` on every rank, naming the settings and the ranks that
-differ.
+Agreement. At construction the ranks compare a digest per setting (the
+registered layers and their shapes, a checksum of their weights, each
+hyperparameter, ``grad_worker_fraction`` and every other option) with
+:func:`~tritonopt.dist._agreement.check_ranks_agree`, before any other group
+exists; a disagreement raises ``ValueError`` on every rank, naming each setting
+that differs with every rank's value.
 
 Timeouts. Every group KAISA creates (its own world group and the worker and
 receiver groups) takes ``timeout`` (default: the default process group's), and
@@ -89,6 +89,7 @@ from torch import nn
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int
 from tritonopt.dist import kaisa_assignment
+from tritonopt.dist._agreement import check_ranks_agree
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.kaisa_assignment import (  # noqa: F401 (re-exported)
     LAYOUTS,
@@ -126,10 +127,6 @@ def _default_group_timeout() -> datetime.timedelta:
     except (AttributeError, RuntimeError, ValueError):
         pass
     return dist.default_pg_timeout
-
-
-def _fingerprint(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 class _CompletionForwardHook:
@@ -256,7 +253,10 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         try:
             if self.world_size > 1:
                 self._world_group = self._new_group(tuple(range(self.world_size)))
-                self._check_agreement()
+                settings = self._settings()
+                self._collective("the configuration check", lambda: check_ranks_agree(
+                    "KAISAPreconditioner", settings, comm=self.communicator, group=self._world_group,
+                    device=self.layers[0].weight.device))
             power = 3 if assignment_cost == "compute" else 2
             costs = [(l.a_dim**power, l.g_dim**power) for l in self.layers]
             self.assignment = KAISAAssignment(costs, self.world_size, self.grad_workers, layout,
@@ -316,48 +316,25 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
     def _factor_all_reduce(self, flat: torch.Tensor, async_op: bool):
         return self.communicator.all_reduce(flat, label="factor_allreduce", group=self._world_group, async_op=async_op)
 
-    def _agreement_fields(self) -> dict[str, str]:
-        layers = ";".join(
-            f"{l.name}:{type(l.module).__name__}:{l.a_dim}x{l.g_dim}:{l.has_bias}:{l.weight.dtype}" for l in self.layers
-        )
+    def _settings(self) -> dict[str, object]:
+        """What every rank must hold alike: the layers, their weights, every hyperparameter and option."""
         checksum = hashlib.blake2b(digest_size=8)
         for layer in self.layers:
             for p in layer.module.parameters(recurse=False):
                 checksum.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
-        fields = {"layers": f"{len(self.layers)} layers ({layers})", "parameters": f"checksum {checksum.hexdigest()}"}
+        settings = {
+            "layers": tuple((l.name, type(l.module).__name__, l.a_dim, l.g_dim, l.has_bias, l.weight.dtype)
+                            for l in self.layers),
+            "weights": f"checksum {checksum.hexdigest()}",
+            "grad_scaler": type(self.grad_scaler).__name__,
+        }
         for name, value in self.hyperparameters.items():
-            fields[name] = f"a function with value {value(0)!r} at step 0" if callable(value) else repr(value)
+            settings[name] = f"a function, {value(0)!r} at step 0" if callable(value) else value
         for name in ("grad_worker_fraction", "layout", "colocate_factors", "symmetry_aware", "factor_comm_dtype",
                      "assignment_cost", "bucket_cap_mb", "accumulation_steps", "timeout", "g_batch_scale",
                      "prediv", "compute_method", "factor_dtype", "inv_dtype", "precision", "on_nonfinite"):
-            fields[name] = repr(getattr(self, name))
-        fields["grad_scaler"] = type(self.grad_scaler).__name__
-        return fields
-
-    def _check_agreement(self) -> None:
-        """One all-gather of a fingerprint per setting; ``ValueError`` naming the settings that differ."""
-        fields = self._agreement_fields()
-        device = self.layers[0].weight.device
-        mine = torch.tensor([_fingerprint(v) for v in fields.values()], dtype=torch.int64, device=device)
-        table = torch.empty(self.world_size * len(fields), dtype=torch.int64, device=device)
-        self._collective("the configuration check", lambda: self.communicator.all_gather_into_tensor(
-            table, mine, label="config_check", group=self._world_group))
-        table = table.view(self.world_size, len(fields)).cpu().tolist()
-        differences = []
-        for column, (name, value) in enumerate(fields.items()):
-            by_value: dict[int, list[int]] = {}
-            for rank, row in enumerate(table):
-                by_value.setdefault(row[column], []).append(rank)
-            if len(by_value) > 1:
-                groups = " / ".join(f"ranks {ranks}" for ranks in by_value.values())
-                shown = value if len(value) <= 200 else value[:200] + "..."
-                differences.append(f"{name} (they split into {groups}; rank {self.rank} has {shown})")
-        if differences:
-            raise ValueError(
-                "KAISAPreconditioner: the ranks disagree on " + "; ".join(differences) + ". Every rank must "
-                "build it with the same model, weights and arguments (wrap the model in DDP, or load the same "
-                "weights, first)"
-            )
+            settings[name] = getattr(self, name)
+        return settings
 
     # ------------------------------------------------------------------ the step
 
