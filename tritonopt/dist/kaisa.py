@@ -381,62 +381,64 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         usable = self.finite_factor_layers(range(len(self.layers)), folded)
         a = self.assignment
         jobs = [(i, side) for i in usable for side in (0, 1) if a.factor_workers[i][side] == self.rank]
-        results = self.decompose([self.factors_of(i, folded)[side] for i, side in jobs], damping, strict=True)
-        parts = dict(zip(jobs, results))
-        eigen = {}
-        if a.colocate_factors:
-            for i in usable:
-                if a.inv_worker[i] == self.rank:
-                    eigen[i] = kfac_eigen_data(parts[(i, 0)], parts[(i, 1)], damping=damping,
-                                               prediv=self.prediv, dtype=self.inv_dtype)
-        if not a.broadcast_inverses():
-            if not a.colocate_factors:  # one rank per worker group: both factors are here
-                for i in usable:
-                    if a.inv_worker[i] == self.rank:
-                        eigen[i] = kfac_eigen_data(parts[(i, 0)], parts[(i, 1)], damping=damping,
-                                                   prediv=self.prediv, dtype=self.inv_dtype)
+        parts = dict(zip(jobs, self.decompose([self.factors_of(i, folded)[side] for i, side in jobs], damping,
+                                              strict=True)))
+        if a.colocate_factors or not a.broadcast_inverses():
+            # Both factors of each layer were decomposed on one rank (colocated, or groups of one).
+            eigen = {i: self._eigen_data(parts[(i, 0)], parts[(i, 1)], damping)
+                     for i in usable if a.inv_worker[i] == self.rank}
+            if a.broadcast_inverses():
+                eigen.update(self._share_layer_eigen(usable, eigen))
             return eigen
-        pending = []
+        halves = self._share_factor_halves(usable, parts)
+        return {i: self._eigen_data(halves[(i, 0)], halves[(i, 1)], damping)
+                for i in usable if a.is_grad_worker(i, self.rank)}
+
+    def _eigen_data(self, a, g, damping: float) -> dict[str, torch.Tensor]:
+        return kfac_eigen_data(a, g, damping=damping, prediv=self.prediv, dtype=self.inv_dtype)
+
+    def _share_layer_eigen(self, usable: list[int], eigen: dict) -> dict[int, dict[str, torch.Tensor]]:
+        """Broadcast each layer's eigen data from the rank that computed it to its worker group."""
+        a, pending = self.assignment, []
+        for i in usable:
+            if not a.is_grad_worker(i, self.rank):
+                continue
+            layer, source = self.layers[i], a.inv_worker[i]
+            shapes = self.eigen_shapes(layer)
+            numel = sum(torch.Size(shape).numel() for shape in shapes.values())
+            tensors = list(eigen[i].values()) if source == self.rank else []
+            flat, work = self._broadcast_flat(tensors, numel, self.inv_dtype, source, self._groups[a.workers(i)],
+                                              layer.weight.device)
+            pending.append((i, source, shapes, flat, work))
+        received = {}
+        for i, source, shapes, flat, work in pending:
+            self._collective("an eigen broadcast", work.wait)
+            if source != self.rank:
+                received[i] = self._split(flat, shapes)
+        return received
+
+    def _share_factor_halves(self, usable: list[int], parts: dict) -> dict[tuple[int, int], object]:
+        """Broadcast each factor's decomposition (or inverse), in float32, from its rank to the layer's
+        worker group; returns every half this rank's layers need, its own included."""
+        a, pending = self.assignment, []
+        inverse = self.compute_method == "inverse"
         for i in usable:
             if not a.is_grad_worker(i, self.rank):
                 continue
             layer = self.layers[i]
-            group = self._groups[a.workers(i)]
-            device = layer.weight.device
-            if a.colocate_factors:
-                shapes = self.eigen_shapes(layer)
-                numel = sum(torch.Size(s).numel() for s in shapes.values())
-                source = a.inv_worker[i]
-                tensors = list(eigen[i].values()) if source == self.rank else []
-                pending.append((i, None, self._broadcast_flat(tensors, numel, self.inv_dtype, source, group, device)))
-                continue
             for side, dim in ((0, layer.a_dim), (1, layer.g_dim)):
-                source = a.factor_workers[i][side]
                 mine = parts.get((i, side))
-                if self.compute_method == "inverse":
-                    numel, tensors = dim * dim, [mine] if mine is not None else []
-                else:
-                    numel, tensors = dim * dim + dim, [mine.vectors, mine.values] if mine is not None else []
-                pending.append((i, side, self._broadcast_flat(tensors, numel, torch.float32, source, group, device)))
-        received: dict[tuple[int, int], object] = {}
-        for i, side, (flat, work) in pending:
+                tensors = [] if mine is None else [mine] if inverse else [mine.vectors, mine.values]
+                numel = dim * dim if inverse else dim * dim + dim
+                flat, work = self._broadcast_flat(tensors, numel, torch.float32, a.factor_workers[i][side],
+                                                  self._groups[a.workers(i)], layer.weight.device)
+                pending.append((i, side, dim, flat, work))
+        halves = {}
+        for i, side, dim, flat, work in pending:
             self._collective("an eigen broadcast", work.wait)
-            layer = self.layers[i]
-            if side is None:
-                if a.inv_worker[i] != self.rank:
-                    eigen[i] = self._split(flat, self.eigen_shapes(layer))
-                continue
-            dim = layer.a_dim if side == 0 else layer.g_dim
-            if self.compute_method == "inverse":
-                received[(i, side)] = flat.view(dim, dim).clone()
-            else:
-                received[(i, side)] = Decomposition(flat[dim * dim :].clone(), flat[: dim * dim].view(dim, dim).clone())
-        if not a.colocate_factors:
-            for i in usable:
-                if a.is_grad_worker(i, self.rank):
-                    eigen[i] = kfac_eigen_data(received[(i, 0)], received[(i, 1)], damping=damping,
-                                               prediv=self.prediv, dtype=self.inv_dtype)
-        return eigen
+            square = flat[: dim * dim].view(dim, dim).clone()
+            halves[(i, side)] = square if inverse else Decomposition(flat[dim * dim :].clone(), square)
+        return halves
 
     @staticmethod
     def _split(flat: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
