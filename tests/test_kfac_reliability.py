@@ -4,7 +4,6 @@ layers whose hooks never run, copies and tampered checkpoints."""
 import copy
 import io
 import math
-import os
 import pickle
 import socket
 import warnings

@@ -278,10 +278,6 @@ class BaseKFACPreconditioner:
     def is_eigen_step(self) -> bool:
         return self.steps % self.hyperparameter("inv_update_steps") == 0
 
-    @property
-    def eigen_names(self) -> tuple[str, ...]:
-        return tuple(eigen_shapes(1, 1, self.compute_method, self.prediv))
-
     def eigen_shapes(self, layer: KFACLayer) -> dict[str, tuple[int, ...]]:
         return eigen_shapes(layer.a_dim, layer.g_dim, self.compute_method, self.prediv)
 
