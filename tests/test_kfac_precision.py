@@ -245,14 +245,19 @@ def test_kl_clip_scale_matches_float64_and_survives_products_beyond_float32():
     gen = torch.Generator().manual_seed(5)
     ps = [torch.randn(3, 4, generator=gen) * 1e30, torch.randn(2, 2, generator=gen)]
     gs = [torch.randn(3, 4, generator=gen) * 1e20, torch.randn(2, 2, generator=gen)]
-    nu = F.kfac_kl_clip_scale(ps, gs, lr=0.5, kl_clip=1e-3)
-    inner = sum((p.double() * g.double()).sum() for p, g in zip(ps, gs))
+    inners = F.kfac_inner_products(ps, gs)
+    expected = [(p.double() * g.double()).sum().item() for p, g in zip(ps, gs)]
+    assert inners.dtype == torch.float64 and inners.tolist() == pytest.approx(expected, rel=1e-12)
+    nu = F.kfac_kl_clip_scale(inners, lr=0.5, kl_clip=1e-3)
     assert nu.dtype == torch.float64
-    assert nu.item() == pytest.approx(math.sqrt(1e-3 / abs(inner.item())) / 0.5, rel=1e-12)
-    zero = [torch.zeros(2, 2)]
-    assert F.kfac_kl_clip_scale(zero, zero, lr=0.5, kl_clip=1e-3).item() == 1.0
-    assert F.kfac_kl_clip_scale(ps, gs, lr=0.0, kl_clip=1e-3).item() == 1.0
-    assert F.kfac_kl_clip_scale(ps, gs, lr=0.5, kl_clip=None) is None
+    assert nu.item() == pytest.approx(math.sqrt(1e-3 / abs(sum(expected))) / 0.5, rel=1e-12)
+    zero = F.kfac_inner_products([torch.zeros(2, 2)], [torch.zeros(2, 2)])
+    assert F.kfac_kl_clip_scale(zero, lr=0.5, kl_clip=1e-3).item() == 1.0
+    assert F.kfac_kl_clip_scale(inners, lr=0.0, kl_clip=1e-3).item() == 1.0
+    assert F.kfac_kl_clip_scale(inners, lr=0.5, kl_clip=None) is None
+    # An inner product is finite exactly when its layer's P and gradient are.
+    nan = torch.tensor([[float("nan")]])
+    assert F.kfac_inner_products([nan, torch.ones(1, 1)], [torch.ones(1, 1)] * 2).isfinite().tolist() == [False, True]
 
 
 def test_running_average_leaves_the_old_factor_alone():
@@ -272,3 +277,6 @@ def test_eigendecompose_clamps_and_returns_contiguous_bases():
     assert d.values.min() == 0 and d.vectors.is_contiguous()
     assert torch.allclose((d.vectors * d.values) @ d.vectors.T, f, atol=1e-5)
     assert F.all_finite([torch.ones(2), None, torch.tensor([float("nan")])]) == [True, True, False]
+    both_infinities = torch.tensor([float("inf"), -float("inf")])
+    huge = torch.full((4,), torch.finfo(torch.float32).max)  # finite, its float32 sum is not
+    assert F.all_finite([both_infinities, huge]) == [False, True]

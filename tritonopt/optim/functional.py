@@ -22,8 +22,8 @@ from tritonopt.ops import ef_topk
 from tritonopt.optim._blocks import kept_per_block
 from tritonopt.optim._window_algebra import ggt_weights, mfac_coefficients, mfac_weights, update_gram
 from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statistic, kfac_eigen_data,
-                                             kfac_eigendecompose, kfac_inverses, kfac_kl_clip_scale,
-                                             kfac_precondition, kfac_running_average)
+                                             kfac_eigendecompose, kfac_inner_products, kfac_inverses,
+                                             kfac_kl_clip_scale, kfac_precondition, kfac_running_average)
 
 __all__ = [
     "all_finite",
@@ -34,6 +34,7 @@ __all__ = [
     "kfac_accumulate_statistic",
     "kfac_eigen_data",
     "kfac_eigendecompose",
+    "kfac_inner_products",
     "kfac_inverses",
     "kfac_kl_clip_scale",
     "kfac_precondition",

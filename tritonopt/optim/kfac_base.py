@@ -48,9 +48,11 @@ from tritonopt.optim.kfac_functional import (
     COMPUTE_METHODS,
     all_finite,
     eigen_shapes,
+    finiteness_probes,
     kfac_accumulate_statistic,
     kfac_eigen_data,
     kfac_eigendecompose,
+    kfac_inner_products,
     kfac_inverses,
     kfac_kl_clip_scale,
     kfac_running_average,
@@ -405,27 +407,44 @@ class BaseKFACPreconditioner:
         grads: dict[int, torch.Tensor],
         statistics: Iterable[int] = (),
         preconditioned: Optional[dict[int, torch.Tensor]] = None,
-        kl_scale: Optional[torch.Tensor] = None,
+        inner_products: Optional[torch.Tensor] = None,
     ) -> Optional[str]:
-        """What is not finite among these (one host sync), or None."""
+        """What is not finite among these (one host sync), or None.
+
+        ``inner_products`` (:func:`~tritonopt.optim.kfac_functional.kfac_inner_products`
+        of ``preconditioned`` and ``grads``, in ``grads``' order) stand for both:
+        each is finite exactly when its layer's gradient and ``P`` are.
+        """
         statistics = list(statistics)
-        preconditioned = preconditioned or {}
-        tensors = list(grads.values())
-        for i in statistics:
-            tensors += [self.layers[i].a_batch, self.layers[i].g_batch]
-        tensors += list(preconditioned.values()) + [kl_scale]
-        flags = iter(all_finite(tensors))
-        bad_grads = [self.layers[i].name for i in grads if not next(flags)]
+        order = list(grads)
+        parts = []
+        if inner_products is not None:
+            parts.append(inner_products)
+        elif order:
+            parts.append(finiteness_probes([grads[i] for i in order]))
+            if preconditioned:
+                parts.append(finiteness_probes([preconditioned[i] for i in order]))
+        if statistics:
+            parts.append(finiteness_probes([t for i in statistics for t in (self.layers[i].a_batch,
+                                                                            self.layers[i].g_batch)]))
+        if not parts:
+            return None
+        flags = torch.cat(parts).isfinite().tolist()
+        if all(flags):
+            return None
+        layer_flags = flags[: len(order)]
+        if inner_products is None and preconditioned:
+            layer_flags = [g and p for g, p in zip(layer_flags, flags[len(order) : 2 * len(order)])]
+        stat_flags = flags[len(flags) - 2 * len(statistics):] if statistics else []
+        suspects = [i for i, ok in zip(order, layer_flags) if not ok]
+        bad_grads = [self.layers[i].name for i, ok in zip(suspects, all_finite([grads[i] for i in suspects])) if not ok]
         if bad_grads:
             return f"the gradients of layers {bad_grads} hold NaN or inf"
-        bad_stats = [self.layers[i].name for i in statistics if not (next(flags) & next(flags))]
+        bad_stats = [self.layers[i].name for k, i in enumerate(statistics) if not (stat_flags[2 * k] and stat_flags[2 * k + 1])]
         if bad_stats:
             return f"the factor statistics of layers {bad_stats} hold NaN or inf"
-        overflow = [self.layers[i].name for i in preconditioned if not next(flags)]
-        if overflow or not next(flags):
-            return (f"the preconditioned gradients of layers {overflow} overflow float32 (gradients too large "
-                    "to precondition)")
-        return None
+        overflow = [self.layers[i].name for i in suspects]
+        return f"the preconditioned gradients of layers {overflow} overflow float32 (gradients too large to precondition)"
 
     def refuse_step(self, problem: str) -> bool:
         """Apply ``on_nonfinite`` to a step that must not happen (nothing has been modified); False."""
@@ -568,11 +587,15 @@ class BaseKFACPreconditioner:
         everything as it was.
         """
         order = list(grads)
-        kl_scale = kfac_kl_clip_scale([preconditioned[i] for i in order], [grads[i] for i in order],
-                                      lr=hyper["lr"], kl_clip=hyper["kl_clip"])
-        problem = self.nonfinite_problem(grads, statistics, preconditioned, kl_scale)
+        inner_products = None
+        if hyper["kl_clip"] is not None and order:
+            inner_products = kfac_inner_products([preconditioned[i] for i in order], [grads[i] for i in order])
+        problem = self.nonfinite_problem(grads, statistics, preconditioned, inner_products)
         if problem is not None:
             return self.refuse_step(problem)
+        kl_scale = None
+        if inner_products is not None:
+            kl_scale = kfac_kl_clip_scale(inner_products, lr=hyper["lr"], kl_clip=hyper["kl_clip"])
         for i, (a, g) in folded.items():
             self._store_factors(self.layers[i], a, g)
         for i, data in eigen.items():

@@ -14,8 +14,9 @@ For a layer with A factor ``[a, a]`` and G factor ``[g, g]`` (see
 :func:`kfac_inverses`             ``(F + damping I)^-1`` for the inverse method (Eq. 12-14)
 :func:`kfac_eigen_data`           what a gradient worker keeps (prediv: sec. 4.4)
 :func:`kfac_precondition`         ``P`` for one layer (Eq. 15-17, or Eq. 14)
-:func:`kfac_kl_clip_scale`        the KL-clip factor ``nu`` (float64)
-:func:`all_finite`                one host synchronisation for many finiteness checks
+:func:`kfac_inner_products`       ``<P_l, grad_l>`` in float64, per layer
+:func:`kfac_kl_clip_scale`        the KL-clip factor ``nu`` (float64) from them
+:func:`all_finite`                many finiteness checks, one host synchronisation
 ===============================  ==================================================
 
 Eigen data, by compute method (``"eigen"`` with or without ``prediv``, ``"inverse"``):
@@ -47,9 +48,11 @@ __all__ = [
     "Decomposition",
     "all_finite",
     "eigen_shapes",
+    "finiteness_probes",
     "kfac_accumulate_statistic",
     "kfac_eigen_data",
     "kfac_eigendecompose",
+    "kfac_inner_products",
     "kfac_inverses",
     "kfac_kl_clip_scale",
     "kfac_precondition",
@@ -79,14 +82,24 @@ def eigen_shapes(a_dim: int, g_dim: int, method: str, prediv: bool) -> dict[str,
     return {"qa": (a_dim, a_dim), "qg": (g_dim, g_dim), "da": (a_dim,), "dg": (g_dim,)}
 
 
+def finiteness_probes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float64 value per tensor that is finite exactly when every entry of the tensor is.
+
+    The probe is the tensor's sum in float64: NaN and inf propagate into it, and
+    a float64 sum of float32, float16 or bfloat16 values cannot overflow. One
+    reduction per tensor, no host synchronisation.
+    """
+    return torch.stack([t.sum(dtype=torch.float64) for t in tensors])
+
+
 def all_finite(tensors: Sequence[Optional[torch.Tensor]]) -> list[bool]:
-    """``torch.isfinite(t).all()`` for each tensor (``None`` counts as finite), one host sync."""
+    """Whether each tensor is all finite (``None`` counts as finite), with one host sync."""
     present = [(i, t) for i, t in enumerate(tensors) if t is not None]
     flags = [True] * len(tensors)
     if present:
-        checks = torch.stack([torch.isfinite(t).all().to(present[0][1].device) for _, t in present]).tolist()
+        checks = finiteness_probes([t for _, t in present]).isfinite().tolist()
         for (i, _), ok in zip(present, checks):
-            flags[i] = bool(ok)
+            flags[i] = ok
     return flags
 
 
@@ -247,24 +260,31 @@ def kfac_precondition(
                                    **_precision(precision))
 
 
-def kfac_kl_clip_scale(
-    preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *, lr: float, kl_clip: Optional[float]
-) -> Optional[torch.Tensor]:
-    """The KL-clip factor ``nu = min(1, sqrt(kl_clip / |lr^2 sum_l <P_l, grad_l>|))``, a float64 scalar tensor.
+def kfac_inner_products(preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``<P_l, grad_l>`` for each layer, float64 ``[L]``.
 
-    ``nu = 1`` when the sum (or ``lr``) is 0; None when ``kl_clip`` is None (no
-    clipping). The inner products accumulate in float64, where products of
-    float32 values cannot overflow, and ``lr`` divides outside the square root,
-    so a huge but finite gradient gets a tiny ``nu`` rather than an infinite
-    sum (which would make ``nu`` 0 and the update 0, or NaN). ``nu`` stays on
-    the device: no host synchronisation. Applying it, ``nu P``, is the caller's.
+    Accumulated in float64, where products of float32 values cannot overflow:
+    an entry is finite exactly when both its layer's ``P`` and ``grad`` are.
     """
-    if kl_clip is None or not preconditioned:
-        return None
-    inner = torch.stack([
+    return torch.stack([
         torch.dot(p.reshape(-1).to(torch.float64), g.reshape(-1).to(torch.float64))
         for p, g in zip(preconditioned, grads)
-    ]).sum().abs()
+    ])
+
+
+def kfac_kl_clip_scale(inner_products: torch.Tensor, *, lr: float, kl_clip: Optional[float]) -> Optional[torch.Tensor]:
+    """The KL-clip factor ``nu = min(1, sqrt(kl_clip / |lr^2 sum_l <P_l, grad_l>|))``, a float64 scalar tensor.
+
+    ``inner_products`` come from :func:`kfac_inner_products`. ``nu = 1`` when
+    their sum (or ``lr``) is 0; None when ``kl_clip`` is None (no clipping).
+    ``lr`` divides outside the square root, so a huge but finite gradient gets a
+    tiny ``nu`` rather than an infinite sum (which would make ``nu`` 0 and the
+    update 0, or NaN). ``nu`` stays on the device: no host synchronisation.
+    Applying it, ``nu P``, is the caller's.
+    """
+    if kl_clip is None:
+        return None
+    inner = inner_products.sum().abs()
     if lr == 0:
         return torch.ones_like(inner)
     return torch.where(inner == 0, torch.ones_like(inner), torch.clamp(torch.sqrt(kl_clip / inner) / lr, max=1.0))
