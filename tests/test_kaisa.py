@@ -37,6 +37,12 @@ SCENARIOS = [  # (name, grad_worker_fraction, extra KAISA arguments)
     ("hybrid_triangle", 0.5, {"symmetry_aware": True}),
     ("hybrid_no_prediv", 0.5, {"prediv": False}),
     ("mem_triangle_fp16", 0.25, {"symmetry_aware": True, "factor_comm_dtype": torch.float16}),
+    ("hybrid_per_factor", 0.5, {"colocate_factors": False}),
+    ("mem_inverse", 0.25, {"compute_method": "inverse"}),
+    ("hybrid_inverse_per_factor", 0.5, {"compute_method": "inverse", "colocate_factors": False}),
+    ("hybrid_sync", 0.5, {"bucket_cap_mb": None}),
+    ("hybrid_small_buckets", 0.5, {"bucket_cap_mb": 0.0}),
+    ("mem_bf16", 0.25, {"factor_dtype": torch.bfloat16, "inv_dtype": torch.bfloat16}),
 ]
 
 
@@ -56,13 +62,15 @@ def make_data():
     return x, y
 
 
-def train(model, precond, optimizer, x, y, steps, shard=None, average_grads=False):
+def train(model, precond, optimizer, x, y, steps, shard=None, average_grads=False, started=None):
     for t in steps:
         xb, yb = x[t], y[t]
         if shard is not None:
             xb, yb = xb[shard], yb[shard]
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(xb), yb).backward()
+        if started is not None and getattr(precond, "reducer", None) is not None:
+            started.append(precond.reducer.started_buckets)  # buckets under way before step()
         if average_grads:  # what DDP does during backward
             for p in model.parameters():
                 dist.all_reduce(p.grad)
@@ -86,8 +94,11 @@ def scenarios(rank, world):
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         precond = KAISAPreconditioner(model, grad_worker_fraction=fraction, **{**KFAC_ARGS, **extra})
-        train(model, precond, optimizer, x, y, range(STEPS), shard, average_grads=True)
+        started = []
+        train(model, precond, optimizer, x, y, range(STEPS), shard, average_grads=True, started=started)
         out[name] = {
+            "started_before_step": started,
+            "buckets": len(precond.reducer.buckets),
             "params": flat_params(model),
             "stats": {k: vars(v) for k, v in precond.communicator.stats().items()},
             "memory": precond.memory_usage(),
@@ -140,6 +151,41 @@ def scenarios(rank, world):
         KAISAPreconditioner(make_model(), grad_worker_fraction=0.3)
     except ValueError as exc:
         out["bad_fraction"] = str(exc)
+
+    # Ranks that disagree: every rank raises at construction, naming what differs.
+    disagreements = {
+        "damping": lambda: KAISAPreconditioner(make_model(), damping=0.01 if rank == 3 else 0.03),
+        "grad_worker_fraction": lambda: KAISAPreconditioner(make_model(), grad_worker_fraction=0.5 if rank == 1 else 1.0),
+        "layers": lambda: KAISAPreconditioner(make_model() if rank != 2 else nn.Sequential(nn.Linear(3, 4))),
+        "weights": lambda: KAISAPreconditioner(make_model() if rank != 1 else nn.Sequential(*make_model()).apply(
+            lambda m: nn.init.zeros_(m.weight) if isinstance(m, nn.Linear) else None)),
+    }
+    out["disagreements"] = {}
+    for field, build in disagreements.items():
+        try:
+            build()
+            out["disagreements"][field] = None
+        except ValueError as exc:
+            out["disagreements"][field] = str(exc)
+
+    # More passes per step than accumulation_steps: a clear error on every rank.
+    model = make_model()
+    precond = KAISAPreconditioner(model, **KFAC_ARGS)
+    for half in (slice(0, 2), slice(2, 4)):
+        nn.functional.cross_entropy(model(x[0][shard][half]), y[0][shard][half]).backward()
+    try:
+        precond.step()
+        out["too_many_passes"] = None
+    except ValueError as exc:
+        out["too_many_passes"] = str(exc)
+
+    # The single-process preconditioner refuses a multi-rank world.
+    try:
+        KFACPreconditioner(make_model())
+        out["kfac_refused"] = None
+    except RuntimeError as exc:
+        out["kfac_refused"] = str(exc)
+    KFACPreconditioner(make_model(), independent_ranks=True)
     tritonopt_backend.__exit__(None, None, None)
     return out
 
@@ -151,14 +197,17 @@ def results():
 
 @pytest.fixture(scope="module")
 def single_process():
-    """The same training on the global batch in one process."""
+    """The same training on the global batch in one process, per compute method."""
     x, y = make_data()
+    out = {}
     with tritonopt.use_backend("reference"):
-        model = make_model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        precond = KFACPreconditioner(model, **KFAC_ARGS)
-        train(model, precond, optimizer, x, y, range(STEPS))
-    return flat_params(model)
+        for method in ("eigen", "inverse"):
+            model = make_model()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            precond = KFACPreconditioner(model, compute_method=method, **KFAC_ARGS)
+            train(model, precond, optimizer, x, y, range(STEPS))
+            out[method] = flat_params(model)
+    return out
 
 
 def test_every_rank_holds_the_same_parameters(results):
@@ -176,17 +225,63 @@ def test_factors_stay_symmetric_to_the_last_bit(results):
 def test_every_fraction_gives_the_same_parameters(results):
     # Same arithmetic on every path: eigen data and preconditioned gradients are moved, not recomputed.
     reference = results[0]["comm"]["params"]
-    for name in ("mem", "hybrid", "hybrid_strided"):
+    for name in ("mem", "hybrid", "hybrid_strided", "hybrid_per_factor", "hybrid_sync"):
         assert torch.equal(results[0][name]["params"], reference), name
+    assert torch.equal(results[0]["mem_inverse"]["params"], results[0]["hybrid_inverse_per_factor"]["params"])
+
+
+def test_factor_all_reduce_overlaps_backward_in_buckets(results):
+    factor_steps = len(range(0, STEPS, FACTOR_STEPS))
+    layers = len(results[0]["hybrid"]["dims"])
+    for rank in range(WORLD):
+        one, many, sync = (results[rank][n] for n in ("hybrid", "hybrid_small_buckets", "hybrid_sync"))
+        # Started from the backward hooks: on factor steps every bucket is under way before step().
+        assert one["started_before_step"] == [1, 0] * (STEPS // 2)
+        assert many["buckets"] == layers
+        assert many["started_before_step"] == [layers, 0] * (STEPS // 2)
+        assert sync["started_before_step"] == [0] * STEPS
+        calls = {n: results[rank][n]["stats"]["factor_allreduce"]["calls"] for n in ("hybrid", "hybrid_small_buckets", "hybrid_sync")}
+        assert calls == {"hybrid": factor_steps, "hybrid_small_buckets": layers * factor_steps, "hybrid_sync": factor_steps}
+        bytes_moved = {results[rank][n]["stats"]["factor_allreduce"]["bytes_sent"] for n in ("hybrid", "hybrid_small_buckets", "hybrid_sync")}
+        assert len(bytes_moved) == 1
+    # One bucket per layer sums each element over the ranks as one buffer does: the same bits
+    # here; at most a reordering of a 4-term float32 sum in general.
+    diff = (results[0]["hybrid_small_buckets"]["params"] - results[0]["hybrid"]["params"]).abs().max()
+    assert diff <= 2e-5 * results[0]["hybrid"]["params"].abs().max()
+
+
+def test_narrow_storage_stays_close(results):
+    # bf16 factors and eigen data: relative errors of a few 1e-3 per step (test_kfac_precision).
+    wide, narrow = results[0]["mem"]["params"], results[0]["mem_bf16"]["params"]
+    assert 0 < (narrow - wide).abs().max() <= 0.05 * wide.abs().max()
+    for rank in range(WORLD):
+        assert results[rank]["mem_bf16"]["memory"] == results[rank]["mem_bf16"]["expected_memory"]
+        assert results[rank]["mem_bf16"]["memory"]["factors"] * 2 == results[rank]["mem"]["memory"]["factors"]
+
+
+def test_disagreeing_ranks_fail_at_construction_naming_the_difference(results):
+    for rank in range(WORLD):
+        for field, message in results[rank]["disagreements"].items():
+            assert message is not None, (rank, field)
+            assert "configured differently" in message and f"{field}: rank 0:" in message, (rank, field, message)
+        assert "damping: rank 0: 0.03, rank 1: 0.03, rank 2: 0.03, rank 3: 0.01" in results[rank]["disagreements"]["damping"]
+
+
+def test_too_many_passes_and_a_multi_rank_kfac_are_clear_errors(results):
+    for rank in range(WORLD):
+        assert "accumulation_steps" in results[rank]["too_many_passes"]
+        assert "KAISAPreconditioner" in results[rank]["kfac_refused"]
 
 
 def test_distributed_run_equals_the_single_process_global_batch(results, single_process):
     # g_batch_scale makes G independent of the batch size; the remaining difference is
     # summation order (per-rank means, then a mean over ranks).
-    scale = single_process.abs().max()
-    for name, _, _ in SCENARIOS:
-        diff = (results[0][name]["params"] - single_process).abs().max()
-        assert diff <= 2e-5 * scale, (name, float(diff))
+    for name, _, extra in SCENARIOS:
+        if name == "mem_bf16":
+            continue  # bf16 storage: see test_narrow_storage_stays_close
+        reference = single_process[extra.get("compute_method", "eigen")]
+        diff = (results[0][name]["params"] - reference).abs().max()
+        assert diff <= 2e-5 * reference.abs().max(), (name, float(diff))
 
 
 def test_triangle_communication_changes_nothing_but_the_bytes(results):
@@ -214,19 +309,28 @@ def test_bytes_match_the_formulas(results, name, fraction, extra):
     for rank in range(WORLD):
         out = results[rank][name]
         gw = round(fraction * WORLD)
-        costs = [a**3 + g**3 for a, g in out["dims"]]
-        assignment = KAISAAssignment(costs, WORLD, gw, extra.get("layout", "paper"))
+        costs = [(a**3, g**3) for a, g in out["dims"]]
+        assignment = KAISAAssignment(costs, WORLD, gw, extra.get("layout", "paper"),
+                                     colocate_factors=extra.get("colocate_factors", True))
         assert assignment.inv_worker == out["inv_worker"]
+        factor_dtype = extra.get("factor_dtype", torch.float32)
         expected = expected_bytes_per_rank(
             out["dims"], assignment, rank, factor_steps=factor_steps, eigen_steps=eigen_steps,
-            steps=STEPS, prediv=extra.get("prediv", True),
+            steps=STEPS, prediv=extra.get("prediv", True), compute_method=extra.get("compute_method", "eigen"),
             symmetry_aware=extra.get("symmetry_aware", False),
-            factor_element_size=extra.get("factor_comm_dtype", torch.float32).itemsize,
+            factor_element_size=extra.get("factor_comm_dtype", factor_dtype).itemsize,
+            eigen_element_size=extra.get("inv_dtype", torch.float32).itemsize,
         )
         for label, counts in expected.items():
             measured = out["stats"].get(label, {"bytes_sent": 0, "bytes_received": 0})
             assert measured["bytes_sent"] == counts["sent"], (label, rank)
             assert measured["bytes_received"] == counts["received"], (label, rank)
+
+
+def test_memory_report_matches_the_formula_for_every_scenario(results):
+    for name, _, _ in SCENARIOS:
+        for rank in range(WORLD):
+            assert results[rank][name]["memory"] == results[rank][name]["expected_memory"], (name, rank)
 
 
 def test_memory_report_matches_the_formula_and_is_linear_in_the_fraction(results):
@@ -334,9 +438,14 @@ def test_formulas_on_a_hand_example():
     assert b["grad_broadcast"] == {"sent": 4 * 20 * 3, "received": 4 * 6 * 3}
     assert b["eigen_broadcast"] == {"sent": 0, "received": 0}
     tri = expected_bytes_per_rank(dims, a, 0, factor_steps=2, eigen_steps=1, steps=3, symmetry_aware=True)
-    assert tri["factor_allreduce"]["sent"] == 2 * 4 * (6 + 3 + 15 + 10)
+    assert tri["factor_allreduce"]["sent"] == 2 * 4 * (6 + 3 + 15 + 10 + 2)  # + one count per layer
 
 
-def test_needs_an_initialised_process_group():
-    with pytest.raises(RuntimeError, match="torch.distributed"):
-        KAISAPreconditioner(make_model())
+def test_runs_in_one_process_without_torch_distributed():
+    with tritonopt.use_backend("reference"):
+        kaisa = KAISAPreconditioner(make_model(), grad_worker_fraction=Strategy.MEM_OPT)
+        assert (kaisa.world_size, kaisa.rank, kaisa.strategy) == (1, 0, Strategy.COMM_OPT)
+        x, y = make_data()
+        nn.functional.cross_entropy(kaisa.model(x[0]), y[0]).backward()
+        assert kaisa.step() is True
+        assert kaisa.communicator.stats() == {}

@@ -388,6 +388,11 @@ def test_memory_usage_counts_factors_batches_and_eigen():
     (dict(precision="tf16"), "precision"),
     (dict(skip_layers=[3]), "skip_layers"),
     (dict(g_batch_scale="yes"), "g_batch_scale"),
+    (dict(compute_method="cholesky"), "compute_method"),
+    (dict(factor_dtype=torch.float64), "factor_dtype"),
+    (dict(inv_dtype="bfloat16"), "inv_dtype"),
+    (dict(grad_scaler=2.0), "grad_scaler"),
+    (dict(independent_ranks=1), "independent_ranks"),
 ])
 def test_bad_hyperparameters_are_named(kwargs, word):
     with pytest.raises((ValueError, TypeError), match=word):

@@ -58,11 +58,9 @@ def imports(path: Path) -> list[tuple[str, list[str]]]:
 # Modules that still reach past a layer, with what they reach for (strict xfails until moved).
 KNOWN_CROSSINGS = {
     "tritonopt.dist.dho2": "imports the fosi_step declaration, a kernel reference and FOSI's private pieces",
-    "tritonopt.dist.kaisa": "imports the K-FAC op declarations and K-FAC's private layer module",
     "tritonopt.dist.lanczos": "imports the Gram-Schmidt op declarations and optim's private Lanczos",
     "tritonopt.optim._lanczos": "imports the Gram-Schmidt op declarations",
     "tritonopt.optim.fosi": "imports the fosi_step declaration and the kernel module",
-    "tritonopt.optim.kfac": "imports the K-FAC op declarations and the kernel module",
 }
 MODULES = [
     pytest.param(path, id=module_name(path), marks=[pytest.mark.xfail(reason=KNOWN_CROSSINGS[module_name(path)], strict=True)]

@@ -13,12 +13,13 @@ the bytes it sends and receives per collective kind.
 """
 
 from tritonopt.dist.dho2 import DHO2, MRDHO2
-from tritonopt.dist.kaisa import KAISAAssignment, KAISAPreconditioner, Strategy
+from tritonopt.dist.kaisa import KAISAAssignment, KAISACollectiveError, KAISAPreconditioner, Strategy
 from tritonopt.dist.lanczos import distributed_lanczos, reconstruct_columns
 
 __all__ = [
     "DHO2",
     "KAISAAssignment",
+    "KAISACollectiveError",
     "KAISAPreconditioner",
     "MRDHO2",
     "Strategy",

@@ -2,15 +2,19 @@
 
 Training is data parallel (every rank holds the model, gradients are averaged by
 DDP or by the caller before :meth:`KAISAPreconditioner.step`); the K-FAC work is
-split across ranks (paper sec. 3.1-3.2):
+split across ranks (paper sec. 3.1-3.2; groups and assignment in
+:mod:`tritonopt.dist.kaisa_assignment`):
 
 * every rank holds the full factors ``A, G`` of every layer; each factor-update
-  step the batch statistics are averaged over the world with one all-reduce;
-* each layer has one **inverse worker** (chosen by a longest-processing-time
-  greedy on cost ``a^3 + g^3``, paper sec. 3.2) that eigendecomposes its factors;
+  step the batch statistics are averaged over the world
+  (:mod:`tritonopt.dist.kaisa_reduce`: bucketed all-reduces started from the
+  backward hooks, so they overlap backward);
+* each layer's factors are decomposed by one rank (``colocate_factors``) or two
+  ranks of one worker group, chosen by a longest-processing-time greedy on cost
+  ``n^3`` (paper sec. 3.2);
 * ``gw = grad_worker_fraction * W`` **gradient workers** per layer hold its eigen
-  data (``QA, QG, D`` with prediv) and precondition its gradient; the other
-  ``W - gw`` ranks receive the preconditioned gradient.
+  data and precondition its gradient; the other ``W - gw`` ranks receive the
+  preconditioned gradient.
 
 =========== ======= ============================= ===============================
 strategy    gwf     eigen broadcast (eigen steps)  preconditioned-gradient bcast
@@ -21,258 +25,180 @@ HYBRID-OPT  between inverse worker -> its gw      every step, gw concurrent grou
 COMM-OPT    1       inverse worker -> all W       none
 =========== ======= ============================= ===============================
 
-Group layout. Ranks are split into ``W/gw`` **worker groups** of ``gw`` ranks and
-``gw`` **receiver groups** of ``W/gw`` ranks; each worker group meets each receiver
-group in exactly one rank. A layer's gradient workers are the worker group of its
-inverse worker; rank ``r`` receives the layer's gradient from the one member of
-that worker group in ``r``'s receiver group. ``layout="paper"`` (default; the
-paper's Fig. 4 and its code): worker groups are contiguous (``{0..gw-1}, ...``),
-receiver groups strided (``{i, i+gw, ...}``); ``layout="strided"`` (the
-maintained reference implementation): the transpose. All groups are created once,
-in the same order, on every rank.
+The step is :class:`~tritonopt.optim.kfac.KFACPreconditioner`'s, composed from
+the same public pieces (:class:`~tritonopt.optim.kfac_base.BaseKFACPreconditioner`
+and :mod:`tritonopt.optim.kfac_functional`) with the collectives between them;
+it returns False, changing nothing on any rank, when the non-finite policy
+refuses it (every rank sees the same averaged statistics and gradients, so
+all make the same decision).
 
 Collectives (all through a :class:`~tritonopt.dist._comm.CountingCommunicator`,
-every tensor contiguous), with bytes per rank per occurrence (``s`` = 4 bytes):
+every tensor contiguous), with bytes per rank per occurrence (``s`` = bytes per
+element of the tensor's dtype):
 
-* ``factor_allreduce`` (factor-update steps): one flat buffer of
-  ``s * sum(a^2 + g^2)`` (``symmetry_aware``: ``s * sum(a(a+1)/2 + g(g+1)/2)``,
-  packed with :func:`~tritonopt._ops.kfac.triu_pack`);
+* ``config_check`` (construction): all-gathers of one int64 digest per setting
+  (see below);
+* ``factor_allreduce`` (factor-update steps): buckets holding ``s * (sum(a^2 + g^2) + L)``
+  in all (``symmetry_aware``: ``s * (sum(a(a+1)/2 + g(g+1)/2) + L)``, ``L`` layers:
+  one contribution count each), in ``factor_comm_dtype``;
 * ``eigen_broadcast`` (eigen steps, ``gw > 1``): per layer, one flat buffer of
-  ``s * (a^2 + g^2 + a g)`` (prediv; ``s * (a^2 + g^2 + a + g)`` without) from the
-  inverse worker to the layer's worker group;
-* ``grad_broadcast`` (every step, ``gw < W``): per layer, ``s * a g`` from the
+  ``s * (a^2 + g^2 + a g)`` (prediv; ``a^2 + g^2 + a + g`` without; ``a^2 + g^2``
+  with the inverse method) in ``inv_dtype`` from the rank that decomposed it to
+  the layer's worker group; without ``colocate_factors``, one float32 buffer per
+  factor (``a^2 + a`` and ``g^2 + g``; ``a^2`` and ``g^2`` for inverses) from
+  each factor's rank, and each gradient worker computes ``D`` itself;
+* ``grad_broadcast`` (every step, ``gw < W``): per layer, ``4 a g`` bytes from the
   layer's gradient worker to each receiver group, all groups concurrently;
 * ``load_state_dict`` (once per :meth:`~KAISAPreconditioner.load_state_dict`): a
   one-integer all-reduce (max) telling every rank whether some rank lacks eigen
-  data (a checkpoint saved on another rank, or without eigen data), in which case
-  the eigendecompositions are recomputed from the factors and re-broadcast.
+  data, in which case the eigendecompositions are recomputed and re-broadcast.
+
+Agreement. At construction the ranks compare a digest per setting (the
+registered layers and their shapes, a checksum of their weights, each
+hyperparameter, ``grad_worker_fraction`` and every other option) with
+:func:`~tritonopt.dist._agreement.check_ranks_agree`, before any other group
+exists; a disagreement raises ``ValueError`` on every rank, naming each setting
+that differs with every rank's value.
+
+Timeouts. Every group KAISA creates (its own world group and the worker and
+receiver groups) takes ``timeout`` (default: the default process group's), and
+every collective runs on those groups, so a rank that dies or stalls makes the
+others raise :class:`KAISACollectiveError` (a ``torch.distributed.DistError``)
+within it, naming the collective; the preconditioner cannot go on after that
+(restart from a checkpoint).
 
 Memory per rank (:meth:`KAISAPreconditioner.memory_usage`): factors
-``s * sum(a^2 + g^2)`` (plus the same again for the batch buffers) on every rank,
-and eigen data ``s * (a^2 + g^2 + a g)`` for each layer the rank is a gradient
-worker of; averaged over ranks the eigen part is exactly ``gwf * sum_l M_eigen(l)``.
+``s_f * sum(a^2 + g^2)`` and the float32 statistic buffers ``4 * sum(a^2 + g^2)``
+on every rank, and the eigen data of each layer the rank is a gradient worker
+of; averaged over ranks the eigen part is exactly ``gwf * sum_l M_eigen(l)``.
+
+In one process (``torch.distributed`` not initialised, or one rank) it is K-FAC
+with no collective.
 """
 
 from __future__ import annotations
 
-import enum
-from fractions import Fraction
-from typing import Optional, Sequence, Union
+import datetime
+import hashlib
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tritonopt._ops.kfac import triu_pack, triu_unpack
+from tritonopt._runtime import nvtx_range
+from tritonopt._validation import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int
+from tritonopt.dist import kaisa_assignment
+from tritonopt.dist._agreement import check_ranks_agree
 from tritonopt.dist._comm import CountingCommunicator
-from tritonopt.optim._kfac_layers import KFACLayer
-from tritonopt.optim.kfac import KFACPreconditioner
+from tritonopt.dist.kaisa_assignment import (  # noqa: F401 (re-exported)
+    LAYOUTS,
+    KAISAAssignment,
+    Strategy,
+    eigen_numel,
+    expected_bytes_per_rank,
+    expected_memory_per_rank,
+    resolve_grad_worker_fraction,
+    strategy_of,
+    valid_grad_worker_fractions,
+)
+from tritonopt.dist.kaisa_reduce import FactorReducer
+from tritonopt.optim.kfac import BaseKFACPreconditioner
+from tritonopt.optim.kfac_functional import Decomposition, kfac_eigen_data, kfac_precondition
 
-__all__ = [
-    "KAISAAssignment",
-    "KAISAPreconditioner",
-    "Strategy",
-    "expected_bytes_per_rank",
-    "expected_memory_per_rank",
-    "resolve_grad_worker_fraction",
-    "valid_grad_worker_fractions",
-]
-
-LAYOUTS = ("paper", "strided")
-
-
-class Strategy(enum.Enum):
-    COMM_OPT = "comm-opt"
-    HYBRID_OPT = "hybrid-opt"
-    MEM_OPT = "mem-opt"
+# The assignment's names are re-exported: this module is KAISA's entry point.
+__all__ = ["KAISACollectiveError", "KAISAPreconditioner", *kaisa_assignment.__all__]
 
 
-def valid_grad_worker_fractions(world_size: int) -> list[Fraction]:
-    """``gw / W`` for every ``gw`` dividing ``W``: the fractions KAISA accepts."""
-    return [Fraction(gw, world_size) for gw in range(1, world_size + 1) if world_size % gw == 0]
+class KAISACollectiveError(dist.DistError):
+    """A KAISA collective failed: another rank stopped, or did not reach it within the timeout."""
 
 
-def resolve_grad_worker_fraction(value: Union[float, Strategy], world_size: int) -> tuple[float, int]:
-    """``(fraction, gw)`` for a fraction or :class:`Strategy`; ``0`` means ``1/W``.
-
-    Raises ``ValueError`` listing the valid fractions when ``value * W`` is not an
-    integer dividing ``W``.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    valid = valid_grad_worker_fractions(world_size)
-    listing = ", ".join(f"{f.numerator}/{f.denominator}" if f != 1 else "1" for f in valid)
-    if isinstance(value, Strategy):
-        value = {Strategy.COMM_OPT: 1.0, Strategy.HYBRID_OPT: 0.5, Strategy.MEM_OPT: 1.0 / world_size}[value]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"grad_worker_fraction must be a number or a Strategy, got {type(value).__name__}")
-    if value == 0:
-        value = 1.0 / world_size
-    workers = value * world_size
-    gw = round(workers)
-    if not 0 <= value <= 1 or abs(workers - gw) > 1e-9 or gw < 1 or world_size % gw:
-        raise ValueError(
-            f"grad_worker_fraction={value!r} is not valid for world size {world_size}: it must "
-            f"be one of {listing} (or 0 for 1/{world_size})"
-        )
-    return gw / world_size, gw
+def _default_group_timeout() -> datetime.timedelta:
+    # torch gives new groups its 30-minute default, not the default group's timeout:
+    # read the latter from the default group's backend.
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        for device in (torch.device("cpu"), torch.device("cuda")):
+            try:
+                return group._get_backend(device).options._timeout
+            except (AttributeError, RuntimeError):
+                continue
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    return dist.default_pg_timeout
 
 
-def strategy_of(gw: int, world_size: int) -> Strategy:
-    if gw == world_size:
-        return Strategy.COMM_OPT
-    if gw == 1:
-        return Strategy.MEM_OPT
-    return Strategy.HYBRID_OPT
+class _CompletionForwardHook:
+    """Forward hook: on capturing steps, watch the output's gradient for the layer's completion."""
+
+    def __init__(self, preconditioner: "KAISAPreconditioner", index: int):
+        self.preconditioner, self.index = preconditioner, index
+
+    def __call__(self, module, inputs, output):
+        kaisa = self.preconditioner
+        if kaisa is None or not (kaisa.capturing and module.training and torch.is_grad_enabled()):
+            return
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(_CompletionGradHook(kaisa, self.index))
+
+    def __deepcopy__(self, memo):  # a copied model does not carry KAISA's hooks
+        return type(self)(None, self.index)
+
+    def __reduce__(self):
+        return type(self), (None, self.index)
 
 
-class KAISAAssignment:
-    """Worker/receiver groups and the inverse worker of each layer (pure Python).
+class _CompletionGradHook:
+    """Runs after the G statistic of one micro-batch was captured."""
+
+    def __init__(self, preconditioner: "KAISAPreconditioner", index: int):
+        self.preconditioner, self.index = preconditioner, index
+
+    def __call__(self, grad):
+        layer = self.preconditioner.layers[self.index]
+        if layer.a_count and layer.g_count >= self.preconditioner.accumulation_steps:
+            self.preconditioner.reducer.layer_complete(self.index)
+
+
+class KAISAPreconditioner(BaseKFACPreconditioner):
+    """K-FAC distributed over ``torch.distributed`` ranks (KAISA); K-FAC alone in one process.
+
+    Every rank builds it with the same model (same weights) and arguments, and
+    calls :meth:`step` at the same points, after the gradients were averaged
+    across ranks (DDP). After ``step()`` every rank holds the same preconditioned
+    gradients, so the optimizers stay in sync. Takes every argument of
+    :class:`~tritonopt.optim.kfac_base.BaseKFACPreconditioner`, and (keyword-only):
 
     Args:
-        costs: one cost per layer (``a^3 + g^3``), in registration order.
-        world_size, grad_workers: ``W`` and ``gw`` (``gw`` divides ``W``).
-        layout: ``"paper"`` or ``"strided"`` (see the module docstring).
-    """
-
-    def __init__(self, costs: Sequence[float], world_size: int, grad_workers: int, layout: str = "paper"):
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if world_size % grad_workers:
-            raise ValueError(f"grad_workers={grad_workers} must divide world_size={world_size}")
-        self.world_size, self.grad_workers, self.layout = world_size, grad_workers, layout
-        per_receiver = world_size // grad_workers
-        if layout == "paper":
-            self.worker_groups = [
-                tuple(j * grad_workers + i for i in range(grad_workers)) for j in range(per_receiver)
-            ]
-            self.receiver_groups = [
-                tuple(j * grad_workers + i for j in range(per_receiver)) for i in range(grad_workers)
-            ]
-        else:
-            self.worker_groups = [
-                tuple(c + r * per_receiver for r in range(grad_workers)) for c in range(per_receiver)
-            ]
-            self.receiver_groups = [
-                tuple(r * per_receiver + c for c in range(per_receiver)) for r in range(grad_workers)
-            ]
-        self.costs = [float(c) for c in costs]
-        self.loads = [0.0] * world_size
-        self.inv_worker = [0] * len(self.costs)
-        # Longest processing time first; ties by registration order, group index, rank.
-        for index in sorted(range(len(self.costs)), key=lambda i: (-self.costs[i], i)):
-            group = min(self.worker_groups, key=lambda g: (sum(self.loads[r] for r in g), g[0]))
-            rank = min(group, key=lambda r: (self.loads[r], r))
-            self.inv_worker[index] = rank
-            self.loads[rank] += self.costs[index]
-
-    def worker_group_of(self, rank: int) -> tuple[int, ...]:
-        return next(g for g in self.worker_groups if rank in g)
-
-    def receiver_group_of(self, rank: int) -> tuple[int, ...]:
-        return next(g for g in self.receiver_groups if rank in g)
-
-    def workers(self, layer: int) -> tuple[int, ...]:
-        """The gradient workers of ``layer``: its inverse worker's worker group."""
-        return self.worker_group_of(self.inv_worker[layer])
-
-    def is_grad_worker(self, layer: int, rank: int) -> bool:
-        return rank in self.workers(layer)
-
-    def src(self, layer: int, rank: int) -> int:
-        """The rank ``rank`` gets ``layer``'s preconditioned gradient from (itself for workers)."""
-        (source,) = set(self.workers(layer)) & set(self.receiver_group_of(rank))
-        return source
-
-    def broadcast_gradients(self) -> bool:
-        return self.grad_workers < self.world_size
-
-    def broadcast_inverses(self) -> bool:
-        return self.grad_workers > 1
-
-
-def _eigen_numel(a: int, g: int, prediv: bool) -> int:
-    return a * a + g * g + (a * g if prediv else a + g)
-
-
-def expected_memory_per_rank(
-    dims: Sequence[tuple[int, int]], assignment: KAISAAssignment, rank: int, *, prediv: bool = True,
-    element_size: int = 4,
-) -> dict[str, int]:
-    """KAISA's per-rank K-FAC memory (paper Table 5) for ``rank``.
-
-    ``dims`` is ``[(a, g), ...]``, one pair per layer.
-    """
-    factors = element_size * sum(a * a + g * g for a, g in dims)
-    eigen = element_size * sum(
-        _eigen_numel(a, g, prediv) for i, (a, g) in enumerate(dims) if assignment.is_grad_worker(i, rank)
-    )
-    return {"factors": factors, "batch": factors, "eigen": eigen, "total": 2 * factors + eigen}
-
-
-def expected_bytes_per_rank(
-    dims: Sequence[tuple[int, int]], assignment: KAISAAssignment, rank: int, *, factor_steps: int,
-    eigen_steps: int, steps: int, prediv: bool = True, symmetry_aware: bool = False, element_size: int = 4,
-    factor_element_size: Optional[int] = None,
-) -> dict[str, dict[str, int]]:
-    """Bytes ``rank`` sends/receives per collective label over a run, from the collectives its strategy issues.
-
-    ``factor_steps``/``eigen_steps``/``steps``: how many factor-update, eigen-update
-    and preconditioning steps the run had.
-    """
-    if symmetry_aware:
-        factor = sum(a * (a + 1) // 2 + g * (g + 1) // 2 for a, g in dims)
-    else:
-        factor = sum(a * a + g * g for a, g in dims)
-    fs = element_size if factor_element_size is None else factor_element_size
-    out = {"factor_allreduce": {"sent": factor * fs * factor_steps, "received": factor * fs * factor_steps}}
-    eig_sent = eig_received = 0
-    if assignment.broadcast_inverses():
-        for i, (a, g) in enumerate(dims):
-            if not assignment.is_grad_worker(i, rank):
-                continue
-            if assignment.inv_worker[i] == rank:
-                eig_sent += _eigen_numel(a, g, prediv)
-            else:
-                eig_received += _eigen_numel(a, g, prediv)
-    out["eigen_broadcast"] = {"sent": eig_sent * element_size * eigen_steps,
-                              "received": eig_received * element_size * eigen_steps}
-    grad_sent = grad_received = 0
-    if assignment.broadcast_gradients():
-        for i, (a, g) in enumerate(dims):
-            if assignment.is_grad_worker(i, rank):
-                grad_sent += a * g
-            else:
-                grad_received += a * g
-    out["grad_broadcast"] = {"sent": grad_sent * element_size * steps,
-                             "received": grad_received * element_size * steps}
-    return out
-
-
-class KAISAPreconditioner(KFACPreconditioner):
-    """:class:`~tritonopt.optim.kfac.KFACPreconditioner` distributed over ``torch.distributed`` ranks.
-
-    Needs an initialised default process group; every rank builds it with the
-    same model and arguments and calls :meth:`step` at the same points, after the
-    gradients were averaged across ranks (DDP). After ``step()`` every rank holds
-    the same preconditioned gradients, so the optimizers stay in sync.
-
-    Args (beyond those of :class:`KFACPreconditioner`, all keyword-only):
         grad_worker_fraction: ``gw / W`` in ``{1/W, ..., 1}`` (``gw`` dividing ``W``), or
             ``0`` (= ``1/W``), or a :class:`Strategy`. 1 is COMM-OPT, ``1/W`` MEM-OPT.
         layout: ``"paper"`` or ``"strided"`` process-group layout.
+        colocate_factors: decompose a layer's A and G on one rank (default); False
+            assigns each factor on its own (paper sec. 3.2), spreading the work finer.
         symmetry_aware: all-reduce only the upper triangles of the factor statistics.
         factor_comm_dtype: dtype the factor statistics are all-reduced in (float32,
-            float16 or bfloat16; paper sec. 3.3 communicates in the data's precision);
-            they are cast back to float32 before the running average.
+            float16 or bfloat16; paper sec. 3.3); default: ``factor_dtype``.
         assignment_cost: ``"compute"`` (``n^3``, default) or ``"memory"`` (``n^2``) for the
             greedy load balance.
+        bucket_cap_mb: size of the factor all-reduce buckets, started from the backward
+            hooks to overlap backward; None all-reduces everything in ``step()``.
+        accumulation_steps: forward/backward passes per ``step()`` (gradient
+            accumulation): a layer's statistics are complete, and its bucket can
+            start, after this many. More passes than this raise in ``step()``.
+        timeout: for every group KAISA creates and so every collective it issues: a
+            ``datetime.timedelta`` or seconds; default: the default group's timeout.
         communicator: a :class:`CountingCommunicator` (one is created by default);
             :attr:`communicator` holds the byte counts per collective label.
+
+    Raises:
+        ValueError: the ranks disagree on the model or the arguments (every rank
+            raises, naming what differs), or a bad argument.
+        KAISACollectiveError: a collective failed (a rank died or stalled past ``timeout``).
     """
 
     algorithm = "kaisa"
-    _raise_on_eigh_failure = True
+    copyable = False
 
     def __init__(
         self,
@@ -280,165 +206,299 @@ class KAISAPreconditioner(KFACPreconditioner):
         *,
         grad_worker_fraction: Union[float, Strategy] = 1.0,
         layout: str = "paper",
+        colocate_factors: bool = True,
         symmetry_aware: bool = False,
-        factor_comm_dtype: torch.dtype = torch.float32,
+        factor_comm_dtype: Optional[torch.dtype] = None,
         assignment_cost: str = "compute",
+        bucket_cap_mb: Optional[float] = 25.0,
+        accumulation_steps: int = 1,
+        timeout: Union[datetime.timedelta, float, None] = None,
         communicator: Optional[CountingCommunicator] = None,
         **kwargs,
     ):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("KAISAPreconditioner needs torch.distributed to be initialised")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if assignment_cost not in ("compute", "memory"):
-            raise ValueError(f"assignment_cost must be 'compute' or 'memory', got {assignment_cost!r}")
-        if not isinstance(symmetry_aware, bool):
-            raise TypeError(f"symmetry_aware must be a bool, got {type(symmetry_aware).__name__}")
-        if factor_comm_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(
-                f"factor_comm_dtype must be torch.float32, float16 or bfloat16, got {factor_comm_dtype!r}"
-            )
+        check_choice("layout", layout, LAYOUTS)
+        check_choice("assignment_cost", assignment_cost, ("compute", "memory"))
+        check_bool("colocate_factors", colocate_factors)
+        check_bool("symmetry_aware", symmetry_aware)
+        if factor_comm_dtype is not None:
+            check_choice("factor_comm_dtype", factor_comm_dtype, FLOAT_DTYPES)
+        if bucket_cap_mb is not None:
+            check_float("bucket_cap_mb", bucket_cap_mb, low=0.0)
+        check_int("accumulation_steps", accumulation_steps, low=1)
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            check_float("timeout", timeout, low=0.0, low_open=True)
+            timeout = datetime.timedelta(seconds=timeout)
         if communicator is not None and not isinstance(communicator, CountingCommunicator):
             raise TypeError("communicator must be a CountingCommunicator")
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.rank = dist.get_rank() if distributed else 0
         self.grad_worker_fraction, self.grad_workers = resolve_grad_worker_fraction(
             grad_worker_fraction, self.world_size
         )
         self.strategy = strategy_of(self.grad_workers, self.world_size)
         super().__init__(model, **kwargs)
+        self.layout = layout
+        self.colocate_factors = colocate_factors
         self.symmetry_aware = symmetry_aware
-        self.factor_comm_dtype = factor_comm_dtype
+        self.factor_comm_dtype = self.factor_dtype if factor_comm_dtype is None else factor_comm_dtype
+        self.assignment_cost = assignment_cost
+        self.bucket_cap_mb = bucket_cap_mb
+        self.accumulation_steps = accumulation_steps
+        self.timeout = timeout if timeout is not None or not distributed else _default_group_timeout()
         self.communicator = communicator if communicator is not None else CountingCommunicator()
-        power = 3 if assignment_cost == "compute" else 2
-        costs = [l.a_dim**power + l.g_dim**power for l in self.layers]
-        self.assignment = KAISAAssignment(costs, self.world_size, self.grad_workers, layout)
-        # Every rank creates every group, in the same order (a torch.distributed rule).
         self._groups: dict[tuple[int, ...], object] = {}
-        for ranks in self.assignment.worker_groups + self.assignment.receiver_groups:
-            if len(ranks) == self.world_size:
-                self._groups[ranks] = None  # the default group
-            elif len(ranks) > 1 and ranks not in self._groups:
-                self._groups[ranks] = dist.new_group(list(ranks))
-        self._index = {layer.name: i for i, layer in enumerate(self.layers)}
+        self._world_group = None
+        self.reducer: Optional[FactorReducer] = None
+        try:
+            if self.world_size > 1:
+                self._world_group = self._new_group(tuple(range(self.world_size)))
+                settings = self._settings()
+                self._collective("the configuration check", lambda: check_ranks_agree(
+                    "KAISAPreconditioner", settings, comm=self.communicator, group=self._world_group,
+                    device=self.layers[0].weight.device))
+            power = 3 if assignment_cost == "compute" else 2
+            costs = [(l.a_dim**power, l.g_dim**power) for l in self.layers]
+            self.assignment = KAISAAssignment(costs, self.world_size, self.grad_workers, layout,
+                                              colocate_factors=colocate_factors)
+            # Every rank creates every group, in the same order (a torch.distributed rule).
+            for ranks in self.assignment.worker_groups + self.assignment.receiver_groups:
+                if len(ranks) == self.world_size:
+                    self._groups[ranks] = self._world_group
+                elif len(ranks) > 1 and ranks not in self._groups:
+                    self._groups[ranks] = self._new_group(ranks)
+            if self.world_size > 1:
+                self.reducer = FactorReducer(
+                    self.layers, self._factor_all_reduce, comm_dtype=self.factor_comm_dtype,
+                    symmetry_aware=symmetry_aware, bucket_cap_mb=bucket_cap_mb,
+                    accumulation_steps=accumulation_steps,
+                )
+                if bucket_cap_mb is not None:
+                    self._handles += [
+                        layer.module.register_forward_hook(_CompletionForwardHook(self, i))
+                        for i, layer in enumerate(self.layers)
+                    ]
+        except BaseException:
+            self.remove_hooks()
+            raise
 
     @property
     def layer_dims(self) -> list[tuple[int, int]]:
         return [(l.a_dim, l.g_dim) for l in self.layers]
 
-    # ------------------------------------------------------------------ factors
+    def __getstate__(self):
+        raise TypeError(
+            "KAISAPreconditioner holds process groups and cannot be copied or pickled; checkpoint it with "
+            "state_dict() and build a new one"
+        )
 
-    def _reduce_factor_batches(self, layers: list[KFACLayer]) -> None:
-        if not layers or self.world_size == 1:
-            return
-        pieces = []
-        dtype = self.factor_comm_dtype
-        for layer in layers:
-            for batch in (layer.a_batch, layer.g_batch):
-                pieces.append(triu_pack(batch, dtype) if self.symmetry_aware else batch.reshape(-1).to(dtype))
-        flat = torch.cat(pieces)
-        self.communicator.all_reduce(flat, label="factor_allreduce")
-        offset = 0
-        inv_world = 1.0 / self.world_size
-        for layer in layers:
-            for batch in (layer.a_batch, layer.g_batch):
-                dim = batch.shape[0]
-                n = dim * (dim + 1) // 2 if self.symmetry_aware else dim * dim
-                chunk = flat[offset : offset + n]
-                offset += n
-                if self.symmetry_aware:
-                    batch.copy_(triu_unpack(chunk.contiguous(), dim, torch.float32, scale=inv_world))
-                else:
-                    # The backend may sum (i, j) and (j, i) in different orders: mirror the
-                    # upper triangle so the factors stay symmetric to the last bit.
-                    summed = chunk.view(dim, dim).to(torch.float32)
-                    batch.copy_(torch.triu(summed) + torch.triu(summed, 1).T).mul_(inv_world)
+    # ------------------------------------------------------------------ groups and failures
 
-    # ------------------------------------------------------------------ eigen
+    def _failure(self, what: str, exc: BaseException) -> KAISACollectiveError:
+        return KAISACollectiveError(
+            f"KAISAPreconditioner (rank {self.rank} of {self.world_size}, step {self.steps}): {what} failed: "
+            f"another rank stopped, or did not reach it within the {self.timeout} timeout; K-FAC cannot go on "
+            f"(restart from a checkpoint). [{type(exc).__name__}: {exc}]"
+        )
 
-    def _eigen_owner_layers(self) -> list[KFACLayer]:
-        return [l for i, l in enumerate(self.layers) if self.assignment.inv_worker[i] == self.rank]
+    def _collective(self, what: str, call: Callable):
+        try:
+            return call()
+        except KAISACollectiveError:
+            raise
+        except RuntimeError as exc:  # torch's DistError and backend errors are RuntimeErrors
+            raise self._failure(what, exc) from exc
 
-    def _update_eigen(self, damping: float) -> None:
-        self._decompose(self._eigen_owner_layers(), damping)
-        if not self.assignment.broadcast_inverses():
-            return
-        pending = []
-        for i, layer in enumerate(self.layers):
-            if not self.assignment.is_grad_worker(i, self.rank):
-                continue
-            # Factors are identical on every rank, so every rank makes the same call here.
-            if not self._finite_factors(layer):
-                continue
-            source = self.assignment.inv_worker[i]
-            shapes = self._eigen_shapes(layer)
-            if source == self.rank:
-                flat = torch.cat([layer.eigen[n].reshape(-1) for n in self._eigen_names()])
+    def _new_group(self, ranks: tuple[int, ...]):
+        return self._collective(f"creating the process group of ranks {list(ranks)}",
+                                lambda: dist.new_group(list(ranks), timeout=self.timeout))
+
+    def _factor_all_reduce(self, flat: torch.Tensor, async_op: bool):
+        return self.communicator.all_reduce(flat, label="factor_allreduce", group=self._world_group, async_op=async_op)
+
+    def _settings(self) -> dict[str, object]:
+        """What every rank must hold alike: the layers, their weights, every hyperparameter and option."""
+        checksum = hashlib.blake2b(digest_size=8)
+        for layer in self.layers:
+            for p in layer.module.parameters(recurse=False):
+                checksum.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        settings = {
+            "layers": tuple((l.name, type(l.module).__name__, l.a_dim, l.g_dim, l.has_bias, l.weight.dtype)
+                            for l in self.layers),
+            "weights": f"checksum {checksum.hexdigest()}",
+            "grad_scaler": type(self.grad_scaler).__name__,
+        }
+        for name, value in self.hyperparameters.items():
+            settings[name] = f"a function, {value(0)!r} at step 0" if callable(value) else value
+        for name in ("grad_worker_fraction", "layout", "colocate_factors", "symmetry_aware", "factor_comm_dtype",
+                     "assignment_cost", "bucket_cap_mb", "accumulation_steps", "timeout", "g_batch_scale",
+                     "prediv", "compute_method", "factor_dtype", "inv_dtype", "precision", "on_nonfinite"):
+            settings[name] = getattr(self, name)
+        return settings
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Average the factor statistics, refresh and share eigen data, precondition and share the gradients.
+
+        Returns True when the gradients were replaced by preconditioned ones, False
+        when the step was refused on every rank (nothing changed; skip the
+        optimizer's step). A collective: every rank calls it at the same points.
+        """
+        try:
+            hyper = self.step_hyperparameters()
+            grads = self.read_gradients()
+            if self.reducer is not None and self.capturing:
+                with nvtx_range(f"tritonopt/{self.algorithm}/factor_reduce"):
+                    statistics = self._collective("the factor all-reduce", self.reducer.finish)
+                if self.reducer.problem:
+                    raise ValueError(f"KAISAPreconditioner: {self.reducer.problem}; set accumulation_steps to "
+                                     "the number of forward/backward passes per step()")
             else:
-                flat = torch.empty(sum(torch.Size(s).numel() for s in shapes), dtype=torch.float32,
-                                   device=layer.weight.device)
-            group = self._groups[self.assignment.workers(i)]
-            work = self.communicator.broadcast(flat, source, label="eigen_broadcast", group=group,
-                                               async_op=True)
-            pending.append((layer, source, shapes, flat, work))
-        for layer, source, shapes, flat, work in pending:
-            work.wait()
-            if source == self.rank:
+                statistics = self.pending_statistics()
+            self.check_capture(grads)
+            return self.run_step(hyper, grads, statistics, eigen_update=self._eigen_update,
+                                 precondition=self._precondition)
+        finally:
+            if self.reducer is not None:
+                self.reducer.reset()
+            self.end_capture()
+
+    def _broadcast_flat(self, tensors: list[torch.Tensor], numel: int, dtype, source: int, group, device):
+        """Start one broadcast of ``tensors`` flattened (the source's) into a flat buffer; returns (flat, work)."""
+        if source == self.rank:
+            flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+        else:
+            flat = torch.empty(numel, dtype=dtype, device=device)
+        work = self._collective("an eigen broadcast", lambda: self.communicator.broadcast(
+            flat, source, label="eigen_broadcast", group=group, async_op=True))
+        return flat, work
+
+    def _eigen_update(self, folded: dict, damping: float) -> dict[int, dict[str, torch.Tensor]]:
+        """Decompose this rank's factors and bring every gradient worker its layers' eigen data."""
+        # Every rank holds every factor, so every rank picks the same layers here.
+        usable = self.finite_factor_layers(range(len(self.layers)), folded)
+        a = self.assignment
+        jobs = [(i, side) for i in usable for side in (0, 1) if a.factor_workers[i][side] == self.rank]
+        parts = dict(zip(jobs, self.decompose([self.factors_of(i, folded)[side] for i, side in jobs], damping,
+                                              strict=True)))
+        if a.colocate_factors or not a.broadcast_inverses():
+            # Both factors of each layer were decomposed on one rank (colocated, or groups of one).
+            eigen = {i: self._eigen_data(parts[(i, 0)], parts[(i, 1)], damping)
+                     for i in usable if a.inv_worker[i] == self.rank}
+            if a.broadcast_inverses():
+                eigen.update(self._share_layer_eigen(usable, eigen))
+            return eigen
+        halves = self._share_factor_halves(usable, parts)
+        return {i: self._eigen_data(halves[(i, 0)], halves[(i, 1)], damping)
+                for i in usable if a.is_grad_worker(i, self.rank)}
+
+    def _eigen_data(self, a, g, damping: float) -> dict[str, torch.Tensor]:
+        return kfac_eigen_data(a, g, damping=damping, prediv=self.prediv, dtype=self.inv_dtype)
+
+    def _share_layer_eigen(self, usable: list[int], eigen: dict) -> dict[int, dict[str, torch.Tensor]]:
+        """Broadcast each layer's eigen data from the rank that computed it to its worker group."""
+        a, pending = self.assignment, []
+        for i in usable:
+            if not a.is_grad_worker(i, self.rank):
                 continue
-            eigen, offset = {}, 0
-            for name, shape in zip(self._eigen_names(), shapes):
-                n = torch.Size(shape).numel()
-                eigen[name] = flat[offset : offset + n].view(shape).clone()
-                offset += n
-            layer.eigen = eigen
+            layer, source = self.layers[i], a.inv_worker[i]
+            shapes = self.eigen_shapes(layer)
+            numel = sum(torch.Size(shape).numel() for shape in shapes.values())
+            tensors = list(eigen[i].values()) if source == self.rank else []
+            flat, work = self._broadcast_flat(tensors, numel, self.inv_dtype, source, self._groups[a.workers(i)],
+                                              layer.weight.device)
+            pending.append((i, source, shapes, flat, work))
+        received = {}
+        for i, source, shapes, flat, work in pending:
+            self._collective("an eigen broadcast", work.wait)
+            if source != self.rank:
+                received[i] = self._split(flat, shapes)
+        return received
+
+    def _share_factor_halves(self, usable: list[int], parts: dict) -> dict[tuple[int, int], object]:
+        """Broadcast each factor's decomposition (or inverse), in float32, from its rank to the layer's
+        worker group; returns every half this rank's layers need, its own included."""
+        a, pending = self.assignment, []
+        inverse = self.compute_method == "inverse"
+        for i in usable:
+            if not a.is_grad_worker(i, self.rank):
+                continue
+            layer = self.layers[i]
+            for side, dim in ((0, layer.a_dim), (1, layer.g_dim)):
+                mine = parts.get((i, side))
+                tensors = [] if mine is None else [mine] if inverse else [mine.vectors, mine.values]
+                numel = dim * dim if inverse else dim * dim + dim
+                flat, work = self._broadcast_flat(tensors, numel, torch.float32, a.factor_workers[i][side],
+                                                  self._groups[a.workers(i)], layer.weight.device)
+                pending.append((i, side, dim, flat, work))
+        halves = {}
+        for i, side, dim, flat, work in pending:
+            self._collective("an eigen broadcast", work.wait)
+            square = flat[: dim * dim].view(dim, dim).clone()
+            halves[(i, side)] = square if inverse else Decomposition(flat[dim * dim :].clone(), square)
+        return halves
+
+    @staticmethod
+    def _split(flat: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for name, shape in shapes.items():
+            n = torch.Size(shape).numel()
+            out[name] = flat[offset : offset + n].view(shape).clone()
+            offset += n
+        return out
+
+    def _precondition(self, grads: dict[int, torch.Tensor], eigen: dict, damping: float) -> dict[int, torch.Tensor]:
+        """``P`` of every layer with a gradient: computed by its gradient workers, broadcast to the others."""
+        out, pending = {}, []
+        a = self.assignment
+        for i, grad in grads.items():
+            layer = self.layers[i]
+            if a.is_grad_worker(i, self.rank):
+                out[i] = kfac_precondition(grad, eigen.get(i, layer.eigen), damping=damping,
+                                           precision=self.precision).contiguous()
+            else:
+                out[i] = torch.empty((layer.g_dim, layer.a_dim), dtype=torch.float32, device=layer.weight.device)
+            if a.broadcast_gradients():
+                group = self._groups[a.receiver_group_of(self.rank)]
+                source = a.src(i, self.rank)
+                tensor = out[i]
+                pending.append(self._collective("a gradient broadcast", lambda: self.communicator.broadcast(
+                    tensor, source, label="grad_broadcast", group=group, async_op=True)))
+        for work in pending:
+            self._collective("a gradient broadcast", work.wait)
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _saved_eigen_usable(self, index: int, entry: dict) -> bool:
-        # Eigen data are per rank: a state dict saved on another rank (the usual
-        # "save on rank 0, load everywhere") lacks the layers this rank works on.
-        if "eigen" not in entry:
-            return False
-        if not self.assignment.is_grad_worker(index, self.rank):
-            return True  # not needed here
-        has_factors = entry.get("a_factor") is not None and entry.get("g_factor") is not None
-        return bool(entry["eigen"]) or not has_factors
+    def load_state_dict(self, state_dict: dict, compute_inverses: bool = True) -> None:
+        """Restore a state dict (checked before anything changes); a collective.
 
-    def _saved_eigen_kept(self, index: int, entry: dict) -> dict:
-        return entry["eigen"] if self.assignment.is_grad_worker(index, self.rank) else {}
+        Eigen data are per rank: a state dict saved on another rank (the usual
+        "save on rank 0, load everywhere") lacks those of the layers this rank works
+        on. If any rank lacks eigen data it needs, every rank recomputes and
+        re-broadcasts them from the saved factors (with ``compute_inverses``).
+        """
+        self.check_state_dict(state_dict)
+        missing = self.restore_state(state_dict, needs_eigen=lambda i: self.assignment.is_grad_worker(i, self.rank))
+        if compute_inverses and self._any_rank(bool(missing)):
+            for i, data in self._eigen_update({}, self.hyperparameter("damping")).items():
+                self.layers[i].eigen = data
 
-    def _any_process(self, flag: bool) -> bool:
+    def _any_rank(self, flag: bool) -> bool:
+        if self.world_size == 1:
+            return flag
         value = torch.tensor([int(flag)], dtype=torch.int32, device=self.layers[0].weight.device)
-        self.communicator.all_reduce(value, label="load_state_dict", op=dist.ReduceOp.MAX)
+        self._collective("the load_state_dict all-reduce", lambda: self.communicator.all_reduce(
+            value, label="load_state_dict", op=dist.ReduceOp.MAX, group=self._world_group))
         return bool(value.item())
-
-    def _restore_eigen(self, layers: list[KFACLayer]) -> None:
-        # Collective: every rank recomputes/re-broadcasts, whatever it was missing.
-        self._update_eigen(self.hyperparameter("damping"))
-
-    # ------------------------------------------------------------------ preconditioning
-
-    def _precondition_layers(self, layers: list[KFACLayer], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out, pending = {}, []
-        for layer in layers:
-            i = self._index[layer.name]
-            if self.assignment.is_grad_worker(i, self.rank):
-                out[layer.name] = self._precondition_one(layer, grads[layer.name]).contiguous()
-            else:
-                out[layer.name] = torch.empty((layer.g_dim, layer.a_dim), dtype=torch.float32,
-                                              device=layer.weight.device)
-            if self.assignment.broadcast_gradients():
-                group = self._groups[self.assignment.receiver_group_of(self.rank)]
-                source = self.assignment.src(i, self.rank)
-                pending.append(self.communicator.broadcast(
-                    out[layer.name], source, label="grad_broadcast", group=group, async_op=True
-                ))
-        for work in pending:
-            work.wait()
-        return out
 
     # ------------------------------------------------------------------ reports
 
     def expected_memory(self) -> dict[str, int]:
         """This rank's K-FAC memory according to :func:`expected_memory_per_rank`."""
-        return expected_memory_per_rank(self.layer_dims, self.assignment, self.rank, prediv=self.prediv)
+        return expected_memory_per_rank(
+            self.layer_dims, self.assignment, self.rank, prediv=self.prediv, compute_method=self.compute_method,
+            element_size=self.inv_dtype.itemsize, factor_element_size=self.factor_dtype.itemsize,
+        )

@@ -20,12 +20,15 @@ run equals a single-process run on the global batch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tritonopt._validation import FLOAT_DTYPES, dtype_names
 
 
 class UnsupportedLayerError(ValueError):
@@ -53,23 +56,30 @@ def _conv_padding(module: nn.Conv2d) -> tuple[int, int]:
 
 @dataclass
 class KFACLayer:
-    """One preconditioned layer and its K-FAC buffers (all float32)."""
+    """One preconditioned layer and its K-FAC buffers."""
 
     name: str
     module: nn.Module
     a_dim: int
     g_dim: int
     has_bias: bool
-    # Running averages (None until the first factor update).
+    # Running averages, in the preconditioner's factor dtype (None until the first factor update).
     a_factor: Optional[torch.Tensor] = None
     g_factor: Optional[torch.Tensor] = None
-    # Mean over this step's micro-batches of X^T X / n; folded into the factors by step().
+    # float32 mean over this step's micro-batches of X^T X / n; folded into the factors by step().
     a_batch: Optional[torch.Tensor] = None
     g_batch: Optional[torch.Tensor] = None
     a_count: int = 0
     g_count: int = 0
-    # Eigen data: qa, qg always; inv_denominator with prediv, else da, dg.
+    # Micro-batches of this step that reached the layer with no rows.
+    empty_batches: int = 0
+    # Eigen data (see tritonopt.optim.kfac_functional.eigen_shapes), in the inverse dtype.
     eigen: dict = field(default_factory=dict)
+
+    @property
+    def has_statistics(self) -> bool:
+        """Whether this step's forward and backward passes both reached the layer."""
+        return self.a_count > 0 and self.g_count > 0
 
     @property
     def kind(self) -> str:
@@ -135,6 +145,44 @@ class KFACLayer:
         self.weight.grad.copy_(matrix[:, :w_cols].reshape(self.weight.shape))
         if self.has_bias:
             self.bias.grad.copy_(matrix[:, w_cols].reshape(self.bias.shape))
+
+
+def _matches(name: str, module: nn.Module, skip: Iterable) -> bool:
+    for rule in skip:
+        if isinstance(rule, type):
+            if isinstance(module, rule):
+                return True
+        elif re.search(rule, name) or re.search(rule, type(module).__name__):
+            return True
+    return False
+
+
+def register_layers(model: nn.Module, skip_layers: Iterable[Union[str, type]] = ()) -> list[KFACLayer]:
+    """A :class:`KFACLayer` for each ``nn.Linear``/``nn.Conv2d`` of ``model`` whose parameters all require grad.
+
+    ``skip_layers`` holds regular expressions (``re.search`` on the module's
+    name and on its class name) and module types. Raises
+    :class:`UnsupportedLayerError` for a variant K-FAC cannot handle, and
+    ``TypeError`` for parameters of a dtype the factor and preconditioning ops
+    do not take (float32, float16 and bfloat16 are supported), naming the layer.
+    """
+    layers = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Conv2d)) or _matches(name, module, skip_layers):
+            continue
+        params = list(module.parameters(recurse=False))
+        if not params or not all(p.requires_grad for p in params):
+            continue
+        layer = make_layer(name, module)
+        for p in params:
+            if p.dtype not in FLOAT_DTYPES:
+                raise TypeError(
+                    f"layer {name!r} has {p.dtype} parameters: K-FAC supports {dtype_names(FLOAT_DTYPES)} "
+                    "(its factors and preconditioning are computed in float32); convert the model or add "
+                    "the layer to skip_layers"
+                )
+        layers.append(layer)
+    return layers
 
 
 def make_layer(name: str, module: nn.Module) -> KFACLayer:

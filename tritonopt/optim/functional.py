@@ -7,7 +7,9 @@ call these, and so do the distributed layers, which compose them with their
 collectives instead of reaching into a class.
 
 Shapes: ``[num_blocks, block_size]`` for the blockwise (EFCP) buffers, ``[d]``
-or ``[m, d]`` for windows, as each function states.
+or ``[m, d]`` for windows, as each function states. K-FAC's functions work on
+one layer's factors (``[a, a]``, ``[g, g]``) and gradient (``[g, a]``); they are
+defined in :mod:`tritonopt.optim.kfac_functional`.
 """
 
 from __future__ import annotations
@@ -19,12 +21,24 @@ import torch
 from tritonopt.ops import ef_topk
 from tritonopt.optim._blocks import kept_per_block
 from tritonopt.optim._window_algebra import ggt_weights, mfac_coefficients, mfac_weights, update_gram
+from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statistic, kfac_eigen_data,
+                                             kfac_eigendecompose, kfac_inner_products, kfac_inverses,
+                                             kfac_kl_clip_scale, kfac_precondition, kfac_running_average)
 
 __all__ = [
+    "all_finite",
     "apply_decoupled_update",
     "ggt_weights",
     "heavy_ball_momentum",
     "kept_per_block",
+    "kfac_accumulate_statistic",
+    "kfac_eigen_data",
+    "kfac_eigendecompose",
+    "kfac_inner_products",
+    "kfac_inverses",
+    "kfac_kl_clip_scale",
+    "kfac_precondition",
+    "kfac_running_average",
     "mfac_coefficients",
     "mfac_weights",
     "sparse_adagrad",

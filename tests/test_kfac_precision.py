@@ -1,0 +1,282 @@
+"""K-FAC's precision options against float64 oracles: loss scaling, factor and eigen storage dtypes,
+the inverse method, and the functional pieces."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import tritonopt
+from tritonopt.optim import functional as F
+from tritonopt.optim.kfac import KFACPreconditioner
+
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+STEPS, DECAY, DAMPING = 3, 0.8, 0.05
+
+
+@pytest.fixture(autouse=True)
+def reference_backend():
+    with tritonopt.use_backend("reference"):
+        yield
+
+
+def make_layer_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 4))
+
+
+def make_batches():
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 6, generator=gen) * torch.linspace(0.2, 2.0, 6) for _ in range(STEPS)]
+    ys = [torch.randint(0, 4, (16,), generator=gen) for _ in range(STEPS)]
+    return xs, ys
+
+
+def run_kfac(**kwargs):
+    """``STEPS`` K-FAC steps on one Linear layer (no optimizer step).
+
+    Returns the preconditioner, the last raw gradient, and per step the float64
+    factors and the elementwise bound ``|X|^T |X| / n`` of each statistic's terms.
+    """
+    model = make_layer_model()
+    kfac = KFACPreconditioner(model, factor_decay=DECAY, damping=DAMPING, kl_clip=None, **kwargs)
+    seen = {}
+
+    def record(module, inputs, output):
+        seen["x"] = inputs[0].detach().double()
+        output.register_hook(lambda grad: seen.__setitem__("g", grad.detach().double()))
+
+    model[0].register_forward_hook(record)
+    a = torch.eye(7, dtype=torch.float64)
+    g = torch.eye(4, dtype=torch.float64)
+    history = []
+    xs, ys = make_batches()
+    for x, y in zip(xs, ys):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        raw = kfac.layers[0].grad_matrix().double()
+        kfac.step()
+        xa = torch.cat([seen["x"], torch.ones(len(x), 1, dtype=torch.float64)], 1)
+        a = DECAY * a + (1 - DECAY) * xa.T @ xa / len(x)
+        g = DECAY * g + (1 - DECAY) * seen["g"].T @ seen["g"] / len(x)
+        terms = (xa.abs().T @ xa.abs() / len(x), seen["g"].abs().T @ seen["g"].abs() / len(x))
+        history.append(((a, g), terms))
+    return kfac, raw, history
+
+
+def stored_factor_bound(history, which, u):
+    """Elementwise bound of ``|stored factor - float64 factor|`` after the last step.
+
+    Each update rounds once to the storage dtype (``u``) and adds float32 error:
+    the statistic's sum of ``n`` products (``n u32 |X|^T|X| / n``) and the fold
+    (``2 u32``); errors of earlier steps decay with the factor.
+    """
+    u32, rows = UNIT_ROUNDOFF[torch.float32], 16
+    total = 0
+    for k in range(len(history)):
+        (factors, terms) = history[-1 - k]
+        step_error = (u + 2 * u32) * factors[which].abs() + (1 - DECAY) * rows * u32 * terms[which]
+        total = total + DECAY**k * step_error
+    return total
+
+
+def norm2(m):
+    return torch.linalg.matrix_norm(m, ord=2).item()
+
+
+def eigen_method_bound(history, raw, p64, u_factor, u_eigen):
+    """``||P - P64||_F`` bound for the eigen method (prediv), from the math (see the README).
+
+    Factors perturbed by E (storage and float32, :func:`stored_factor_bound`, and
+    eigh's backward error ``n u32 ||F||``): ``||dP|| <= ||dK|| ||P|| / damping`` with
+    ``K = A (x) G + damping I`` and ``||dK|| <= (||A|| + 2 e_A) 2 e_G + 2 e_A ||G||``
+    (clamping at most doubles E). Eigen data rounded by ``u`` (storage, and the
+    float32 products ``n u32``): the rotations are off by ``u sqrt(n)`` each and D
+    by ``u`` relative: ``||dP|| <= (e_a + e_g)(||P|| + max(D) ||grad||) + u ||P||``
+    (first order; doubled for the second-order terms).
+    """
+    (a, g), _ = history[-1]
+    n = max(a.shape[0], g.shape[0])
+    u32n = n * UNIT_ROUNDOFF[torch.float32]
+    e_a = stored_factor_bound(history, 0, u_factor).norm().item() + u32n * a.norm().item()
+    e_g = stored_factor_bound(history, 1, u_factor).norm().item() + u32n * g.norm().item()
+    dk = (norm2(a) + 2 * e_a) * 2 * e_g + 2 * e_a * norm2(g)
+    factor_term = dk * p64.norm().item() / DAMPING
+    eigen_term = 0.0
+    for u in (u_eigen, u32n):
+        rotations = u * (math.sqrt(a.shape[0]) + math.sqrt(g.shape[0]))
+        eigen_term += 2 * (rotations * (p64.norm().item() + raw.norm().item() / DAMPING) + u * p64.norm().item())
+    return factor_term + eigen_term
+
+
+def kron_solve(grad, a, g, damping):
+    n = a.shape[0] * g.shape[0]
+    fisher = torch.kron(a.T.contiguous(), g) + damping * torch.eye(n, dtype=torch.float64)
+    return torch.linalg.solve(fisher, grad.T.reshape(-1)).reshape(a.shape[0], g.shape[0]).T
+
+
+# --------------------------------------------------------------------------- storage dtypes
+
+
+@pytest.mark.parametrize("factor_dtype,inv_dtype", [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+])
+def test_storage_dtypes_stay_within_their_bound_of_float64(factor_dtype, inv_dtype):
+    kfac, raw, history = run_kfac(factor_dtype=factor_dtype, inv_dtype=inv_dtype)
+    layer = kfac.layers[0]
+    assert layer.a_factor.dtype == factor_dtype and layer.g_factor.dtype == factor_dtype
+    assert all(t.dtype == inv_dtype for t in layer.eigen.values())
+    (a64, g64), _ = history[-1]
+    # The stored factors: one rounding per update, within a tight elementwise bound.
+    for which, stored in ((0, layer.a_factor), (1, layer.g_factor)):
+        deviation = (stored.double() - history[-1][0][which]).abs()
+        assert (deviation <= stored_factor_bound(history, which, UNIT_ROUNDOFF[factor_dtype])).all()
+    # The eigen data as stored give the preconditioned gradient up to float32 products.
+    e = {k: v.double() for k, v in layer.eigen.items()}
+    from_stored = e["qg"] @ ((e["qg"].T @ raw @ e["qa"]) * e["inv_denominator"]) @ e["qa"].T
+    u32n = 7 * UNIT_ROUNDOFF[torch.float32]
+    magnitudes = e["qg"].abs() @ ((e["qg"].abs().T @ raw.abs() @ e["qa"].abs()) * e["inv_denominator"].abs()) @ e["qa"].abs().T
+    assert ((layer.grad_matrix().double() - from_stored).abs() <= 4 * u32n * magnitudes).all()
+    # End to end against float64 K-FAC, within the a-priori bound the README states.
+    p64 = kron_solve(raw, a64, g64, DAMPING)
+    error = (layer.grad_matrix().double() - p64).norm().item()
+    bound = eigen_method_bound(history, raw, p64, UNIT_ROUNDOFF[factor_dtype], UNIT_ROUNDOFF[inv_dtype])
+    # Reported with `pytest -s` (the README quotes these relative figures).
+    print(f"\nfactor_dtype={factor_dtype} inv_dtype={inv_dtype}: ||P - P64|| / ||P64|| = "
+          f"{error / p64.norm().item():.2e}, bound {bound / p64.norm().item():.2e}")
+    assert error <= bound, (error, bound)
+
+
+def test_narrow_storage_halves_the_memory():
+    wide = run_kfac()[0].memory_usage()
+    narrow = run_kfac(factor_dtype=torch.bfloat16, inv_dtype=torch.float16)[0].memory_usage()
+    assert narrow["factors"] * 2 == wide["factors"] and narrow["eigen"] * 2 == wide["eigen"]
+    assert narrow["batch"] == wide["batch"], "statistics accumulate in float32"
+
+
+# --------------------------------------------------------------------------- inverse method
+
+
+def test_inverse_method_solves_the_damped_factors_against_float64():
+    kfac, raw, history = run_kfac(compute_method="inverse")
+    layer = kfac.layers[0]
+    assert set(layer.eigen) == {"a_inv", "g_inv"}
+    (a64, g64), _ = history[-1]
+    eye_a, eye_g = torch.eye(7, dtype=torch.float64), torch.eye(4, dtype=torch.float64)
+    a_inv, g_inv = torch.linalg.inv(a64 + DAMPING * eye_a), torch.linalg.inv(g64 + DAMPING * eye_g)
+    p64 = g_inv @ raw @ a_inv
+    # Paper Eq. 14: (G + damping I) P (A + damping I) = grad.
+    assert torch.allclose((g64 + DAMPING * eye_g) @ p64 @ (a64 + DAMPING * eye_a), raw, atol=1e-12)
+    # fp32 inverses: backward error n u32 ||F + damping I|| each, amplified by the condition numbers.
+    u32n = 7 * UNIT_ROUNDOFF[torch.float32]
+    cond = norm2(a64 + DAMPING * eye_a) * norm2(a_inv) + norm2(g64 + DAMPING * eye_g) * norm2(g_inv)
+    error = (layer.grad_matrix().double() - p64).norm().item()
+    assert error <= 2 * u32n * cond * p64.norm().item()
+    # It is a different damping from the eigen method's (paper Eq. 12 is not an identity).
+    eigen_p = kron_solve(raw, a64, g64, DAMPING)
+    assert (eigen_p - p64).norm() > 100 * error
+
+
+def test_inverse_falls_back_to_the_eigendecomposition_when_cholesky_fails():
+    q, _ = torch.linalg.qr(torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)))
+    indefinite = (q * torch.tensor([-1.0, 2.0, 3.0], dtype=torch.float64)) @ q.T  # not PD even with damping
+    (inverse,) = F.kfac_inverses([indefinite.float()], 0.1)
+    expected = (q / torch.tensor([0.1, 2.1, 3.1], dtype=torch.float64)) @ q.T  # eigenvalues clamped at 0
+    assert torch.allclose(inverse.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- loss scaling
+
+
+def amp_run(scaled: bool, grad_scaler_argument: bool):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=scaled)
+    kfac = KFACPreconditioner(model, damping=0.01, grad_scaler=scaler if grad_scaler_argument else None)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        x, y = torch.randn(8, 5, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        scaler.unscale_(opt)
+        assert kfac.step()
+        scaler.step(opt)
+        scaler.update()
+    return model, kfac
+
+
+def test_grad_scaler_unscales_the_g_factors():
+    plain_model, plain = amp_run(scaled=False, grad_scaler_argument=False)
+    scaled_model, scaled = amp_run(scaled=True, grad_scaler_argument=True)
+    # The loss scale is a power of two: unscaling is exact, the runs are the same bits.
+    for p, q in zip(plain_model.parameters(), scaled_model.parameters()):
+        assert torch.equal(p, q)
+    for l1, l2 in zip(plain.layers, scaled.layers):
+        assert torch.equal(l1.g_factor, l2.g_factor)
+    _, unaware = amp_run(scaled=True, grad_scaler_argument=False)
+    ratio = unaware.layers[1].g_factor.trace() / plain.layers[1].g_factor.trace()
+    assert ratio > 1e3, "without grad_scaler, G holds the squared loss scale"
+
+
+def test_grad_scaler_may_be_a_function_and_is_checked():
+    model = nn.Sequential(nn.Linear(3, 2))
+    kfac = KFACPreconditioner(model, grad_scaler=lambda: 4.0)
+    (model(torch.randn(5, 3)).sum() * 4).backward()
+    kfac.step()
+    with pytest.raises(TypeError, match="grad_scaler"):
+        KFACPreconditioner(nn.Sequential(nn.Linear(3, 2)), grad_scaler=2.0)
+    bad = KFACPreconditioner(nn.Sequential(nn.Linear(3, 2)), grad_scaler=lambda: 0.0)
+    bad.model(torch.randn(5, 3)).sum().backward()  # the hook records it
+    with pytest.raises(ValueError, match="scale is 0.0"):
+        bad.step()
+
+
+# --------------------------------------------------------------------------- functional pieces
+
+
+def test_kl_clip_scale_matches_float64_and_survives_products_beyond_float32():
+    gen = torch.Generator().manual_seed(5)
+    ps = [torch.randn(3, 4, generator=gen) * 1e30, torch.randn(2, 2, generator=gen)]
+    gs = [torch.randn(3, 4, generator=gen) * 1e20, torch.randn(2, 2, generator=gen)]
+    inners = F.kfac_inner_products(ps, gs)
+    expected = [(p.double() * g.double()).sum().item() for p, g in zip(ps, gs)]
+    assert inners.dtype == torch.float64 and inners.tolist() == pytest.approx(expected, rel=1e-12)
+    nu = F.kfac_kl_clip_scale(inners, lr=0.5, kl_clip=1e-3)
+    assert nu.dtype == torch.float64
+    assert nu.item() == pytest.approx(math.sqrt(1e-3 / abs(sum(expected))) / 0.5, rel=1e-12)
+    zero = F.kfac_inner_products([torch.zeros(2, 2)], [torch.zeros(2, 2)])
+    assert F.kfac_kl_clip_scale(zero, lr=0.5, kl_clip=1e-3).item() == 1.0
+    assert F.kfac_kl_clip_scale(inners, lr=0.0, kl_clip=1e-3).item() == 1.0
+    assert F.kfac_kl_clip_scale(inners, lr=0.5, kl_clip=None) is None
+    # An inner product is finite exactly when its layer's P and gradient are.
+    nan = torch.tensor([[float("nan")]])
+    assert F.kfac_inner_products([nan, torch.ones(1, 1)], [torch.ones(1, 1)] * 2).isfinite().tolist() == [False, True]
+
+
+def test_running_average_leaves_the_old_factor_alone():
+    old = torch.eye(3) * 2
+    stat = torch.full((3, 3), 4.0)
+    new = F.kfac_running_average(old, stat, 0.75, out=stat)
+    assert new is stat and torch.equal(old, torch.eye(3) * 2)
+    assert torch.equal(new, 0.75 * torch.eye(3) * 2 + 0.25 * torch.full((3, 3), 4.0))
+    first = F.kfac_running_average(None, torch.zeros(2, 2), 0.5)
+    assert torch.equal(first, 0.5 * torch.eye(2))
+
+
+def test_eigendecompose_clamps_and_returns_contiguous_bases():
+    q, _ = torch.linalg.qr(torch.randn(4, 4, generator=torch.Generator().manual_seed(6)))
+    f = (q * torch.tensor([-1e-7, 1.0, 2.0, 3.0])) @ q.T
+    (d,) = F.kfac_eigendecompose([(f + f.T) / 2])
+    assert d.values.min() == 0 and d.vectors.is_contiguous()
+    assert torch.allclose((d.vectors * d.values) @ d.vectors.T, f, atol=1e-5)
+    assert F.all_finite([torch.ones(2), None, torch.tensor([float("nan")])]) == [True, True, False]
+    both_infinities = torch.tensor([float("inf"), -float("inf")])
+    huge = torch.full((4,), torch.finfo(torch.float32).max)  # finite, its float32 sum is not
+    assert F.all_finite([both_infinities, huge]) == [False, True]

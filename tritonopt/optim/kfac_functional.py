@@ -1,0 +1,290 @@
+"""K-FAC's arithmetic as functions of one layer's buffers (KAISA, Pauloski et al. SC '21, sec. 2-4).
+
+:class:`~tritonopt.optim.kfac.KFACPreconditioner` runs these in one process;
+:class:`~tritonopt.dist.kaisa.KAISAPreconditioner` runs the same functions and
+puts its collectives between them. Re-exported by :mod:`tritonopt.optim.functional`.
+
+For a layer with A factor ``[a, a]`` and G factor ``[g, g]`` (see
+:mod:`tritonopt.optim._kfac_layers` for the layout of ``grad``, ``[g, a]``):
+
+===============================  ==================================================
+:func:`kfac_accumulate_statistic`  micro-batch mean of ``X^T X / n`` (paper sec. 4.2)
+:func:`kfac_running_average`      ``decay F + (1 - decay) F_batch`` (sec. 2.1.2)
+:func:`kfac_eigendecompose`       ``eigh`` in float32, eigenvalues clamped at 0 (sec. 3.3)
+:func:`kfac_inverses`             ``(F + damping I)^-1`` for the inverse method (Eq. 12-14)
+:func:`kfac_eigen_data`           what a gradient worker keeps (prediv: sec. 4.4)
+:func:`kfac_precondition`         ``P`` for one layer (Eq. 15-17, or Eq. 14)
+:func:`kfac_inner_products`       ``<P_l, grad_l>`` in float64, per layer
+:func:`kfac_kl_clip_scale`        the KL-clip factor ``nu`` (float64) from them
+:func:`all_finite`                many finiteness checks, one host synchronisation
+===============================  ==================================================
+
+Eigen data, by compute method (``"eigen"`` with or without ``prediv``, ``"inverse"``):
+
+=================  ==============================================  =========================
+method             names                                           shapes
+=================  ==============================================  =========================
+eigen, prediv      ``qa``, ``qg``, ``inv_denominator``             ``[a,a]``, ``[g,g]``, ``[g,a]``
+eigen              ``qa``, ``qg``, ``da``, ``dg``                  ``[a,a]``, ``[g,g]``, ``[a]``, ``[g]``
+inverse            ``a_inv``, ``g_inv``                            ``[a,a]``, ``[g,g]``
+=================  ==============================================  =========================
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from tritonopt.ops import (
+    eigen_inv_denominator,
+    eigenbasis_precondition,
+    eigenbasis_precondition_prediv,
+    kfac_factor_update,
+)
+
+__all__ = [
+    "COMPUTE_METHODS",
+    "Decomposition",
+    "all_finite",
+    "eigen_shapes",
+    "finiteness_probes",
+    "kfac_accumulate_statistic",
+    "kfac_eigen_data",
+    "kfac_eigendecompose",
+    "kfac_inner_products",
+    "kfac_inverses",
+    "kfac_kl_clip_scale",
+    "kfac_precondition",
+    "kfac_running_average",
+]
+
+COMPUTE_METHODS = ("eigen", "inverse")
+
+
+def _precision(precision: Optional[str]) -> dict:
+    return {} if precision is None else {"precision": precision}
+
+
+class Decomposition(NamedTuple):
+    """``F = vectors diag(values) vectors^T``: float32, ``values >= 0``, both contiguous."""
+
+    values: torch.Tensor
+    vectors: torch.Tensor
+
+
+def eigen_shapes(a_dim: int, g_dim: int, method: str, prediv: bool) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a layer's eigen data, in their storage and communication order."""
+    if method == "inverse":
+        return {"a_inv": (a_dim, a_dim), "g_inv": (g_dim, g_dim)}
+    if prediv:
+        return {"qa": (a_dim, a_dim), "qg": (g_dim, g_dim), "inv_denominator": (g_dim, a_dim)}
+    return {"qa": (a_dim, a_dim), "qg": (g_dim, g_dim), "da": (a_dim,), "dg": (g_dim,)}
+
+
+def finiteness_probes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float64 value per tensor that is finite exactly when every entry of the tensor is.
+
+    The probe is the tensor's sum in float64: NaN and inf propagate into it, and
+    a float64 sum of float32, float16 or bfloat16 values cannot overflow. One
+    reduction per tensor, no host synchronisation.
+    """
+    return torch.stack([t.sum(dtype=torch.float64) for t in tensors])
+
+
+def all_finite(tensors: Sequence[Optional[torch.Tensor]]) -> list[bool]:
+    """Whether each tensor is all finite (``None`` counts as finite), with one host sync."""
+    present = [(i, t) for i, t in enumerate(tensors) if t is not None]
+    flags = [True] * len(tensors)
+    if present:
+        checks = finiteness_probes([t for _, t in present]).isfinite().tolist()
+        for (i, _), ok in zip(present, checks):
+            flags[i] = ok
+    return flags
+
+
+def kfac_accumulate_statistic(
+    statistic: Optional[torch.Tensor],
+    rows: torch.Tensor,
+    count: int,
+    *,
+    append_bias: bool,
+    scale: float = 1.0,
+    precision: Optional[str] = None,
+) -> torch.Tensor:
+    """Add micro-batch ``count + 1`` to the running mean of ``X^T X / n``; returns the buffer.
+
+    ``X = scale * [rows, 1]`` with ``append_bias``, else ``scale * rows``;
+    ``rows`` is ``[n, d]``. Micro-batch ``m = count + 1`` enters with weight
+    ``1/m`` (decay ``(m-1)/m``), so after ``m`` calls the buffer holds the mean
+    of the ``m`` micro-batch statistics, as if the factors were computed on the
+    concatenated batch (paper sec. 4.2). ``statistic`` is a float32
+    ``[d + append_bias, d + append_bias]`` buffer, or None to allocate one (its
+    content is not read when ``count == 0``). ``precision``: the op's GPU
+    matrix-unit precision (None: the op's default).
+    """
+    if statistic is None:
+        dim = rows.shape[1] + int(append_bias)
+        statistic = torch.empty((dim, dim), dtype=torch.float32, device=rows.device)
+    kfac_factor_update(statistic, rows, count / (count + 1), append_bias=append_bias, scale=scale,
+                       **_precision(precision))
+    return statistic
+
+
+def kfac_running_average(
+    factor: Optional[torch.Tensor], statistic: torch.Tensor, decay: float, *, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``decay * factor + (1 - decay) * statistic`` in float32 (paper sec. 2.1.2).
+
+    ``factor`` is the running average (any float dtype, read in float32; None
+    before the first update, when the identity stands in for it). The result is
+    written to ``out`` (float32; it may be ``statistic`` itself) or a new tensor;
+    ``factor`` is never modified, so a caller can still drop the result.
+    """
+    if factor is None:
+        factor = torch.eye(statistic.shape[0], dtype=torch.float32, device=statistic.device)
+    return torch.add(factor.to(torch.float32) * decay, statistic, alpha=1.0 - decay, out=out)
+
+
+def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomposition]]:
+    """The eigendecomposition of each symmetric factor, in float32, batched over equal sizes.
+
+    Factors are read in float32 whatever their storage dtype (paper sec. 3.3:
+    ``eigh`` is unstable in half precision); eigenvalues below 0 (round-off of
+    a positive semi-definite matrix) are clamped to 0; eigenvectors are made
+    contiguous (``eigh`` returns them column-major, which collectives would
+    move wrongly). An entry is None where ``torch.linalg.eigh`` failed: a
+    failing batch is retried one factor at a time, so only the failing factors
+    are None. Callers check finiteness first (:func:`all_finite`).
+    """
+    results: list[Optional[Decomposition]] = [None] * len(factors)
+    by_dim: dict[int, list[int]] = {}
+    for i, f in enumerate(factors):
+        by_dim.setdefault(f.shape[0], []).append(i)
+    for indices in by_dim.values():
+        stacked = torch.stack([factors[i].to(torch.float32) for i in indices])
+        try:
+            values, vectors = torch.linalg.eigh(stacked)
+            batches = [(indices, values, vectors)]
+        except torch.linalg.LinAlgError:
+            batches = []
+            for j, i in enumerate(indices):
+                try:
+                    v, q = torch.linalg.eigh(stacked[j : j + 1])
+                except torch.linalg.LinAlgError:
+                    continue
+                batches.append(([i], v, q))
+        for batch_indices, values, vectors in batches:
+            values = values.clamp_(min=0.0)
+            for k, i in enumerate(batch_indices):
+                results[i] = Decomposition(values[k].contiguous(), vectors[k].contiguous())
+    return results
+
+
+def kfac_inverses(factors: Sequence[torch.Tensor], damping: float) -> list[Optional[torch.Tensor]]:
+    """``(F + damping I)^-1`` of each factor in float32, batched over equal sizes (inverse method).
+
+    A Cholesky factorisation first; where round-off makes ``F + damping I`` not
+    positive definite in float32, the inverse is taken through the
+    eigendecomposition with eigenvalues clamped at 0 instead (the same
+    ``F`` the eigen method uses). None where both fail.
+    """
+    results: list[Optional[torch.Tensor]] = [None] * len(factors)
+    by_dim: dict[int, list[int]] = {}
+    for i, f in enumerate(factors):
+        by_dim.setdefault(f.shape[0], []).append(i)
+    for dim, indices in by_dim.items():
+        eye = torch.eye(dim, dtype=torch.float32, device=factors[indices[0]].device)
+        stacked = torch.stack([factors[i].to(torch.float32) for i in indices])
+        cholesky, info = torch.linalg.cholesky_ex(stacked + damping * eye)
+        inverses = torch.cholesky_inverse(cholesky)
+        failed = info.tolist()
+        fallback = [i for i, bad in zip(indices, failed) if bad]
+        decompositions = dict(zip(fallback, kfac_eigendecompose([factors[i] for i in fallback])))
+        for k, i in enumerate(indices):
+            if not failed[k]:
+                results[i] = inverses[k].contiguous()
+            elif decompositions[i] is not None:
+                values, vectors = decompositions[i]
+                results[i] = ((vectors / (values + damping)) @ vectors.T).contiguous()
+    return results
+
+
+def kfac_eigen_data(
+    a: Decomposition | torch.Tensor,
+    g: Decomposition | torch.Tensor,
+    *,
+    damping: float,
+    prediv: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """What a gradient worker keeps for one layer, stored in ``dtype`` (paper sec. 3.3, 4.4).
+
+    ``a``, ``g``: the :class:`Decomposition` of each factor (eigen method), or
+    the inverses ``(F + damping I)^-1`` (inverse method). With ``prediv`` the
+    eigen method keeps ``D = 1 / (dG dA^T + damping)``, computed here once in
+    float32 (``damping`` is then fixed until the next eigen update), instead of
+    the eigenvalues. Names and shapes: :func:`eigen_shapes`.
+    """
+    if isinstance(a, torch.Tensor):
+        data = {"a_inv": a, "g_inv": g}
+    elif prediv:
+        data = {"qa": a.vectors, "qg": g.vectors, "inv_denominator": eigen_inv_denominator(g.values, a.values, damping)}
+    else:
+        data = {"qa": a.vectors, "qg": g.vectors, "da": a.values, "dg": g.values}
+    return {name: t.to(dtype).contiguous() for name, t in data.items()}
+
+
+def kfac_precondition(
+    grad: torch.Tensor, eigen: dict[str, torch.Tensor], *, damping: float, precision: Optional[str] = None
+) -> torch.Tensor:
+    """The preconditioned gradient ``P`` of one layer, float32 ``[g, a]``; ``grad`` itself without eigen data.
+
+    * eigen method (paper Eq. 15-17): ``P = QG [(QG^T grad QA) / (dG dA^T + damping)] QA^T
+      = (A (x) G + damping I)^-1 grad``, with the ops
+      :func:`~tritonopt.ops.eigenbasis_precondition_prediv` (``inv_denominator``
+      given: ``damping`` is not read) or :func:`~tritonopt.ops.eigenbasis_precondition`;
+    * inverse method (Eq. 12-14): ``P = (G + damping I)^-1 grad (A + damping I)^-1``,
+      two float32 matrix products.
+
+    Eigen data in a narrower dtype are read in float32.
+    """
+    if not eigen:
+        return grad
+    if "a_inv" in eigen:
+        return eigen["g_inv"].to(torch.float32) @ grad @ eigen["a_inv"].to(torch.float32)
+    if "inv_denominator" in eigen:
+        return eigenbasis_precondition_prediv(grad, eigen["qa"], eigen["qg"], eigen["inv_denominator"],
+                                              **_precision(precision))
+    return eigenbasis_precondition(grad, eigen["qa"], eigen["da"], eigen["qg"], eigen["dg"], damping,
+                                   **_precision(precision))
+
+
+def kfac_inner_products(preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``<P_l, grad_l>`` for each layer, float64 ``[L]``.
+
+    Accumulated in float64, where products of float32 values cannot overflow:
+    an entry is finite exactly when both its layer's ``P`` and ``grad`` are.
+    """
+    return torch.stack([
+        torch.dot(p.reshape(-1).to(torch.float64), g.reshape(-1).to(torch.float64))
+        for p, g in zip(preconditioned, grads)
+    ])
+
+
+def kfac_kl_clip_scale(inner_products: torch.Tensor, *, lr: float, kl_clip: Optional[float]) -> Optional[torch.Tensor]:
+    """The KL-clip factor ``nu = min(1, sqrt(kl_clip / |lr^2 sum_l <P_l, grad_l>|))``, a float64 scalar tensor.
+
+    ``inner_products`` come from :func:`kfac_inner_products`. ``nu = 1`` when
+    their sum (or ``lr``) is 0; None when ``kl_clip`` is None (no clipping).
+    ``lr`` divides outside the square root, so a huge but finite gradient gets a
+    tiny ``nu`` rather than an infinite sum (which would make ``nu`` 0 and the
+    update 0, or NaN). ``nu`` stays on the device: no host synchronisation.
+    Applying it, ``nu P``, is the caller's.
+    """
+    if kl_clip is None:
+        return None
+    inner = inner_products.sum().abs()
+    if lr == 0:
+        return torch.ones_like(inner)
+    return torch.where(inner == 0, torch.ones_like(inner), torch.clamp(torch.sqrt(kl_clip / inner) / lr, max=1.0))
