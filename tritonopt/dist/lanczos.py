@@ -35,9 +35,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from tritonopt._ops.lanczos import gram_schmidt_coefficients, gram_schmidt_subtract
 from tritonopt.dist._comm import CountingCommunicator
-from tritonopt.optim._lanczos import LanczosResult, default_breakdown_rtol, lanczos_loop
+from tritonopt.ops import gram_schmidt_coefficients, gram_schmidt_subtract
+from tritonopt.optim.lanczos import LanczosResult, default_breakdown_rtol, lanczos_loop
 
 __all__ = ["column_split", "distributed_lanczos", "reconstruct_columns", "shard_size"]
 
@@ -68,9 +68,10 @@ def distributed_lanczos(
 ) -> LanczosResult:
     """Algorithm 2: Lanczos with this rank's row shard of ``D`` (``result.basis``: ``[steps, ceil(n/C)]``).
 
-    Same arguments as :func:`tritonopt.optim._lanczos.lanczos`, plus the
+    Same arguments as :func:`tritonopt.optim.lanczos.lanczos`, plus the
     communicator, the process group (default: the world) and the HVP mode.
     Every rank must call it with the same ``n``, ``num_iters`` and ``seed``.
+    Host synchronisations: one per iteration, as the single-process loop.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
