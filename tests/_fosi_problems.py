@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one intra-op thread is several times faster than two on a busy machine.
+
+    Import it into a test module to use it there; the previous count is restored after the module.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class CrossEntropyOn:

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from _fosi_problems import flat, make_problem, train
+from _fosi_problems import flat, make_problem, train, one_thread  # noqa: F401  (fixture)
 from conftest import triton_runs_here
 
 import tritonopt

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from _fosi_problems import HostReads, flat, make_problem, set_grads, train
+from _fosi_problems import HostReads, flat, make_problem, set_grads, train, one_thread  # noqa: F401  (fixture)
 
 import tritonopt
 from tritonopt.optim.fosi import FOSI
