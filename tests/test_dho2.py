@@ -221,7 +221,7 @@ def test_fused_variant_uses_three_n_sized_all_reduces_per_step(results):
     assert "delta1_all_reduce" not in fused
     assert alg3["delta1_all_reduce"]["calls"] == alg3["projection_all_reduce"]["calls"] == hybrid_steps
     assert fused["update_all_reduce"]["bytes_sent"] == hybrid_steps * n * 4
-    assert fused["configuration_check"]["calls"] == 1
+    assert fused["config_check"]["calls"] == 2  # the number of settings, then their digests
 
 
 def test_dho2_state_dicts_are_per_rank_and_checked_on_every_rank(results):
@@ -244,21 +244,24 @@ def test_dho2_d_shard_halves_and_columns_split(results):
         assert results[rank][("dho2", "fused")]["rows"] == 2  # k = 4 split over 2 ranks
 
 
-@pytest.mark.parametrize("setting, named", [("lr", "'lr'"), ("seed", "'seed'"),
-                                            ("num_lanczos_iters", "'num_lanczos_iters'"),
-                                            ("data_parallel_hvp", "'data_parallel_hvp'"),
-                                            ("model", "'model (shapes, dtypes)'")])
+@pytest.mark.parametrize("setting, named", [
+    ("lr", "lr: rank 0: [0.003], rank 1: [0.002]"), ("seed", "seed: rank 0: 0, rank 1: 1"),
+    ("num_lanczos_iters", "num_lanczos_iters: rank 0: 16, rank 1: 12"),
+    ("data_parallel_hvp", "data_parallel_hvp: rank 0: False, rank 1: True"),
+    ("model", "model (shapes, dtypes): rank 0: [((16, 8), 'torch.float32')"),
+])
 def test_ranks_that_disagree_are_told_what_differs(results, setting, named):
     for rank in range(2):
         message = results[rank]["mismatch"][setting]
-        assert message is not None and "disagree" in message and named in message, (rank, message)
-        assert "ranks [0] vs [1]" in message
+        assert message is not None and message.startswith("DHO2: the ranks were configured differently"), message
+        assert named in message, (rank, message)
 
 
 def test_mrdho2_ranks_that_disagree_and_its_timeout(results):
     for rank in range(WORLD):
         message = results[rank]["mr_mismatch"]
-        assert "'accumulated_gradient'" in message and "'world layout'" in message, message
+        assert "accumulated_gradient: rank 0: 'sum', rank 1: 'sum', rank 2: 'sum', rank 3: 'mean'" in message
+        assert "world layout: rank 0: (4, 2), rank 1: (4, 2), rank 2: (4, 1), rank 3: (4, 2)" in message
         assert results[rank]["mr_timeouts"] == [50.0, 50.0]
 
 

@@ -1,52 +1,17 @@
 """Dense M-FAC and S-MFAC: the IHVP against an explicit inverse, the literal recursion, the
 density-100 % reduction, backends, checkpoints and bad input."""
 
-import copy
-import io
-import math
-import warnings
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from _helpers import BACKENDS, flat, gradient_stream, make_params, needs_triton, run_steps, set_grads
 
 import tritonopt
-from tritonopt._ops.sparse_ring import densify_ring
-from tritonopt.optim.ggt import SparseGGT
-from tritonopt.optim.mfac import MFAC, SparseMFAC
-from tritonopt.optim._window_algebra import mfac_coefficients
+from tritonopt.ops import densify_ring
+from tritonopt.optim import MFAC, SparseGGT, SparseMFAC
+from tritonopt.optim.functional import mfac_coefficients
 
-needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
-BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
 SHAPES = [(5, 7), (3,), (2, 3, 4)]  # 62 elements
-
-
-def make_params(shapes, seed=0, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
-
-
-def gradient_stream(shapes, steps, seed=1, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(steps)]
-
-
-def set_grads(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.clone().to(p.dtype)
-
-
-def run_steps(params, opt, stream):
-    for grads in stream:
-        set_grads(params, grads)
-        opt.step()
-
-
-def flat(tensors):
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-# --------------------------------------------------------------------------- the algebra
 
 
 def explicit_ihvp(window_rows, x, damp, m):
@@ -262,50 +227,6 @@ def test_triton_and_reference_paths_agree_step_by_step():
         torch.testing.assert_close(ring_t["dots"], ring_r["dots"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "cls, hyper",
-    [
-        (MFAC, dict(lr=0.05, ngrads=4, damp=0.1, momentum=0.5, weight_decay=0.01)),
-        (SparseMFAC, dict(lr=0.05, ngrads=4, damp=0.1, density=0.25, block_size=16, momentum=0.5)),
-        (SparseMFAC, dict(lr=0.05, ngrads=3, damp=0.1, density=0.25, block_size=16,
-                          values_dtype=torch.bfloat16)),
-    ],
-    ids=["mfac", "sparse", "sparse-bf16-values"],
-)
-@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
-def test_resumed_run_equals_uninterrupted_run(cls, hyper, param_dtype):
-    with tritonopt.use_backend("reference"):  # checkpoint logic; the backends are compared above
-        resumed_run_equals_uninterrupted_run(cls, hyper, param_dtype)
-
-
-def resumed_run_equals_uninterrupted_run(cls, hyper, param_dtype):
-    stream = gradient_stream(SHAPES, 10)  # 10 > ngrads: the ring wraps after the resume
-    params_a = make_params(SHAPES, dtype=param_dtype)
-    opt_a = cls(params_a, **hyper)
-    run_steps(params_a, opt_a, stream)
-
-    params_b = make_params(SHAPES, dtype=param_dtype)
-    opt_b = cls(params_b, **hyper)
-    run_steps(params_b, opt_b, stream[:5])
-    buffer = io.BytesIO()
-    torch.save({"params": [p.detach() for p in params_b], "optim": opt_b.state_dict()}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer)
-    params_c = [torch.nn.Parameter(t.clone()) for t in checkpoint["params"]]
-    opt_c = cls(params_c, **hyper)
-    opt_c.load_state_dict(checkpoint["optim"])
-    assert opt_c.state[params_c[0]]["dots"].dtype == torch.float64
-    run_steps(params_c, opt_c, stream[5:])
-    for pa, pc in zip(params_a, params_c):
-        assert torch.equal(pa, pc)
-        for name, value in opt_a.state[pa].items():
-            if isinstance(value, torch.Tensor):
-                assert value.dtype == opt_c.state[pc][name].dtype, name
-                assert torch.equal(value, opt_c.state[pc][name]), name
-            else:
-                assert value == opt_c.state[pc][name], name
-
-
 def test_parameters_without_grad_keep_their_value_and_state():
     params = make_params(SHAPES)
     opt = SparseMFAC(params, lr=0.1, ngrads=3, damp=0.1, density=0.25, block_size=16, momentum=0.5)
@@ -326,96 +247,11 @@ def test_parameters_without_grad_keep_their_value_and_state():
     assert not bool(rows[:, 35:38].any())
 
 
-@pytest.mark.parametrize("cls", [MFAC, SparseMFAC])
-@pytest.mark.parametrize("policy", ["skip", "raise"])
-@pytest.mark.parametrize("problem", ["nonfinite", "huge"])
-def test_nonfinite_or_huge_gradient_changes_nothing(cls, policy, problem):
-    params = make_params(SHAPES)
-    opt = cls(params, lr=0.1, ngrads=3, damp=0.1, momentum=0.5, on_nonfinite=policy)
-    run_steps(params, opt, gradient_stream(SHAPES, 2))
-    before = copy.deepcopy(opt.state_dict())
-    values = [p.detach().clone() for p in params]
-    bad = gradient_stream(SHAPES, 1, seed=9)[0]
-    if problem == "nonfinite":
-        bad[2][0, 1, 2] = math.nan if policy == "skip" else -math.inf
-        message = "NaN or inf"
-    else:  # finite, but its square overflows float32 in the scalar products
-        bad[2][0, 1, 2] = 1e30
-        message = "too large"
-    set_grads(params, bad)
-    if policy == "skip":
-        with pytest.warns(RuntimeWarning, match=message):
-            opt.step()
-        assert opt.skipped_steps == 1
-    else:
-        with pytest.raises(FloatingPointError, match=message):
-            opt.step()
-    for p, v in zip(params, values):
-        assert torch.equal(p.detach(), v)
-    after = opt.state_dict()
-    for key, state in before["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(after["state"][key][name], value), name
-            else:
-                assert after["state"][key][name] == value
-    set_grads(params, gradient_stream(SHAPES, 1, seed=3)[0])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        opt.step()
-
-
-@pytest.mark.parametrize(
-    "cls, kwargs, word",
-    [
-        (MFAC, dict(lr=-1.0), "lr"),
-        (MFAC, dict(lr=torch.tensor(0.1)), "lr"),
-        (MFAC, dict(damp=0.0), "damp"),
-        (MFAC, dict(damp=math.inf), "damp"),
-        (MFAC, dict(ngrads=0), "ngrads"),
-        (MFAC, dict(ngrads=2.0), "ngrads"),
-        (MFAC, dict(momentum=1.0), "momentum"),
-        (MFAC, dict(weight_decay=-1.0), "weight_decay"),
-        (MFAC, dict(on_nonfinite="ignore"), "on_nonfinite"),
-        (SparseMFAC, dict(density=0.0), "density"),
-        (SparseMFAC, dict(density=1.5), "density"),
-        (SparseMFAC, dict(block_size=0), "block_size"),
-        (SparseMFAC, dict(error_feedback=1), "error_feedback"),
-        (SparseMFAC, dict(values_dtype=torch.float16), "values_dtype"),
-    ],
-)
-def test_bad_hyperparameters_are_named(cls, kwargs, word):
-    with pytest.raises((ValueError, TypeError), match=word):
-        cls(make_params([(3,)]), **kwargs)
-
-
-def test_bad_param_group_is_named():
-    opt = SparseMFAC(make_params([(3,)]))
-    with pytest.raises(ValueError, match="density"):
-        opt.add_param_group({"params": make_params([(2,)]), "density": 2.0})
-
-
-def test_complex_and_sparse_gradients_are_rejected_before_anything_changes():
-    with pytest.raises(ValueError, match="complex"):
-        MFAC([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
-    embedding = torch.nn.Embedding(10, 4, sparse=True)
-    dense = torch.nn.Parameter(torch.ones(3))
-    opt = SparseMFAC([dense, embedding.weight], density=0.5)
-    weight_before = embedding.weight.detach().clone()
-    dense.grad = torch.ones(3)
-    embedding(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(RuntimeError, match="sparse gradients"):
-        opt.step()
-    assert torch.equal(dense.detach(), torch.ones(3))
-    assert torch.equal(embedding.weight.detach(), weight_before)
-    assert not opt.state[dense]
-
-
-def test_param_groups_use_their_own_hyperparameters():
+def test_per_group_windows_give_each_group_its_own_hyperparameters():
     first, second = make_params([(12,)], seed=1), make_params([(20,)], seed=2)
     opt = SparseMFAC(
         [{"params": first}, {"params": second, "lr": 0.0, "ngrads": 2}],
-        lr=0.1, ngrads=3, damp=0.1, density=0.5, block_size=8,
+        lr=0.1, ngrads=3, damp=0.1, density=0.5, block_size=8, per_group_windows=True,
     )
     before = second[0].detach().clone()
     run_steps(first + second, opt, gradient_stream([(12,), (20,)], 3))
@@ -424,17 +260,41 @@ def test_param_groups_use_their_own_hyperparameters():
     assert opt.state[second[0]]["dots"].shape == (2, 2)
 
 
-def test_closure_is_evaluated_with_grad_enabled():
-    params = make_params([(4,)])
-    opt = MFAC(params, lr=0.1, ngrads=2, damp=0.1)
+@pytest.mark.parametrize("cls, hyper", [
+    (MFAC, dict(ngrads=3, damp=0.1)),
+    (SparseMFAC, dict(ngrads=3, damp=0.1, density=0.25, block_size=16)),
+], ids=["mfac", "sparse"])
+def test_groups_that_differ_only_in_step_rules_share_one_fisher(cls, hyper):
+    # The common "no weight decay on biases" split: the curvature is the whole model's, so
+    # with equal step rules the two groups step exactly like one group.
+    stream = gradient_stream(SHAPES, 6)
+    single = make_params(SHAPES)
+    single_opt = cls(single, lr=0.05, momentum=0.5, **hyper)
+    run_steps(single, single_opt, stream)
+    split = make_params(SHAPES)
+    opt = cls([{"params": split[:1]}, {"params": split[1:]}], lr=0.05, momentum=0.5, **hyper)
+    run_steps(split, opt, stream)
+    for a, b in zip(single, split):
+        assert torch.equal(a, b)
+    assert "dots" in opt.state[split[0]] and "dots" not in opt.state[split[1]]
+    # With other step rules per group the window stays shared; a group with lr 0 does not move.
+    frozen = make_params(SHAPES)
+    opt = cls([{"params": frozen[:1]}, {"params": frozen[1:], "lr": 0.0, "weight_decay": 0.0}],
+              lr=0.05, momentum=0.5, weight_decay=0.1, **hyper)
+    before = [p.detach().clone() for p in frozen[1:]]
+    run_steps(frozen, opt, stream)
+    assert all(torch.equal(p, b) for p, b in zip(frozen[1:], before))
+    # The window holds the gradients only, so it is the single group's, bit for bit.
+    assert torch.equal(opt.state[frozen[0]]["dots"], single_opt.state[single[0]]["dots"])
 
-    def closure():
-        opt.zero_grad()
-        loss = (params[0] ** 2).sum()
-        loss.backward()
-        return loss
 
-    assert opt.step(closure).item() > 0
+def test_groups_must_agree_on_the_window_unless_each_has_its_own():
+    opt = SparseMFAC(make_params([(8,)]), ngrads=4, density=0.5, block_size=8)
+    with pytest.raises(ValueError, match="ngrads"):
+        opt.add_param_group({"params": make_params([(4,)], seed=3), "ngrads": 2})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match="density"):
+        SparseMFAC([{"params": make_params([(8,)])}, {"params": make_params([(4,)], seed=3), "density": 0.1}])
 
 
 def test_state_bytes_follow_the_layout():
@@ -443,11 +303,31 @@ def test_state_bytes_follow_the_layout():
     sparse = SparseMFAC(params, lr=0.1, ngrads=m, damp=0.1, density=0.25, block_size=16)
     run_steps(params, sparse, gradient_stream(SHAPES, 1))
     steps = 4 * len(params)
-    assert sparse.state_bytes() == 4 * m * 4 * (4 + 4) + 4 * 64 + 8 * m * m + steps
+    # ring (int32 + float32), error and the packed-gradient scratch (padded to 64), Gram matrix
+    assert sparse.state_bytes() == 4 * m * 4 * (4 + 4) + 2 * 4 * 64 + 8 * m * m + steps
+    assert sparse.expected_state_bytes() == sparse.state_bytes()
     params_d = make_params(SHAPES)
-    dense = MFAC(params_d, lr=0.1, ngrads=m, damp=0.1)
+    dense = MFAC(params_d, lr=0.1, ngrads=m, damp=0.1, momentum=0.9)
+    expected = dense.expected_state_bytes()  # known before the first step
     run_steps(params_d, dense, gradient_stream(SHAPES, 1))
-    assert dense.state_bytes() == 4 * m * 62 + 8 * m * m + steps
+    assert dense.state_bytes() == 4 * m * 62 + 2 * 4 * 62 + 8 * m * m + steps == expected
+
+
+def test_a_window_that_cannot_fit_is_refused_before_anything_is_allocated(monkeypatch):
+    import tritonopt.optim.windowed as windowed
+
+    params = make_params(SHAPES)
+    needed = MFAC(params, ngrads=1024, damp=0.1).expected_state_bytes()
+    monkeypatch.setattr(windowed, "available_memory", lambda device: needed - 1)
+    with pytest.raises(MemoryError, match="GiB"):
+        MFAC(params, ngrads=1024, damp=0.1)
+    monkeypatch.setattr(windowed, "available_memory", lambda device: needed)
+    opt = MFAC(params, ngrads=1024, damp=0.1)
+    assert not opt.state
+    monkeypatch.setattr(windowed, "available_memory", lambda device: needed + 100)
+    with pytest.raises(MemoryError):
+        opt.add_param_group({"params": make_params([(50,)], seed=4)})
+    assert len(opt.param_groups) == 1
 
 
 def test_trains_a_small_regression():
@@ -537,15 +417,54 @@ def test_float64_parameters_keep_their_precision(cls, hyper):
     assert torch.equal(wide.detach(), before)
 
 
-def test_rejected_param_group_leaves_the_optimizer_unchanged():
-    params = make_params([(6,)])
-    opt = SparseMFAC(params, lr=0.1, ngrads=2, damp=0.1, density=0.5, block_size=8)
-    extra = make_params([(2,)])
-    for bad in ({"density": 2.0}, {"lr": -1.0}):
-        with pytest.raises(ValueError):
-            opt.add_param_group({"params": extra, **bad})
-        assert len(opt.param_groups) == 1
-    set_grads(params, gradient_stream([(6,)], 1)[0])
-    opt.step()  # the rejected groups are not stepped
-    opt.add_param_group({"params": extra})  # and their parameters can still be added
-    assert len(opt.param_groups) == 2
+
+@pytest.mark.parametrize("damp", [1e-4, 1e-6, 1e-7])
+def test_a_tiny_damp_does_not_cancel_the_update_away(damp):
+    # u = x / damp - w @ G subtracts two float32 vectors of size ~1/damp; folding x / damp
+    # into the float64 weights (x is the newest row of G) leaves only float32 rounding of
+    # eight terms, about 1e-6 relative. The subtraction form was off by 1e-1 to 1e2 here.
+    gen = torch.Generator().manual_seed(0)
+    d, m = 2000, 8
+    p = torch.nn.Parameter(torch.zeros(d))
+    opt = MFAC([p], lr=1.0, ngrads=m, damp=damp)
+    rows = []
+    for _ in range(m + 3):
+        g = torch.randn(d, generator=gen)
+        before = p.detach().clone()
+        p.grad = g.clone()
+        opt.step()
+        rows = (rows + [g.double()])[-m:]
+    window = torch.stack(rows)
+    exact = torch.linalg.solve(damp * torch.eye(d, dtype=torch.float64) + window.T @ window / m, g.double())
+    update = (before - p.detach()).double()
+    assert float((update - exact).norm() / exact.norm()) < 1e-5
+
+
+def test_max_update_norm_clips_the_preconditioned_update():
+    # The window holds gradients only, so both runs precondition the same vectors: each
+    # clipped step is the free one shortened to the limit, or left alone below it.
+    limit, moves = 0.4, {}
+    for clip in (None, limit):
+        params = make_params(SHAPES)
+        opt = SparseMFAC(params, lr=1.0, ngrads=3, damp=1e-3, density=0.25, block_size=16, max_update_norm=clip)
+        moves[clip] = []
+        for grads in gradient_stream(SHAPES, 4):
+            before = flat([p.detach() for p in params])
+            set_grads(params, grads)
+            opt.step()
+            moves[clip].append(float((flat([p.detach() for p in params]) - before).norm()))
+    assert min(moves[None]) < limit < max(moves[None])
+    for free, clipped in zip(moves[None], moves[limit]):
+        assert clipped == pytest.approx(min(free, limit), rel=1e-5)
+
+
+def test_error_norm_ratio_is_what_compression_left_out():
+    params = make_params(SHAPES)
+    opt = SparseMFAC(params, lr=0.1, ngrads=3, damp=0.1, density=0.25, block_size=16, track_error_norm=True)
+    assert opt.error_norm_ratios() == [None]
+    grads = gradient_stream(SHAPES, 1)[0]
+    set_grads(params, grads)
+    opt.step()
+    error = flat([opt.state[p]["error"] for p in params])
+    assert opt.error_norm_ratios()[0] == pytest.approx(float(error.norm() / flat(grads).norm()), rel=1e-6)
+    assert MFAC(params, track_error_norm=True).error_norm_ratios() == [None]

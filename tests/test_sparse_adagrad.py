@@ -1,19 +1,15 @@
 """SparseAdaGrad against a literal Algorithm 7, across backends, checkpoints and bad input."""
 
 import copy
-import io
-import math
-import warnings
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from _helpers import gradient_stream, make_params, needs_triton, run_steps, set_grads
 
 import tritonopt
 from tritonopt.optim import SparseAdaGrad, optimizer_state_bytes
-from tritonopt.optim._blocks import kept_per_block
+from tritonopt.optim.functional import kept_per_block
 
-needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 
 
 class Algorithm7:
@@ -45,21 +41,6 @@ class Algorithm7:
         flat = torch.cat([p.reshape(-1) for p in params])
         flat = flat * (1 - self.lr * self.wd) - self.lr * update if self.wd else flat - self.lr * update
         return list(torch.split(flat, self.sizes))
-
-
-def make_params(shapes, seed=0, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
-
-
-def gradient_stream(shapes, steps, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
-
-
-def set_grads(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.clone().to(p.dtype)
 
 
 SHAPES = [(5, 7), (3,), (2, 3, 4)]  # 62 elements: blocks of 16 leave a partial last block
@@ -103,55 +84,6 @@ def test_triton_and_reference_paths_agree_bitwise_step_by_step():
             assert torch.equal(pt, pr)
             for name in ("error", "sum_sq"):
                 assert torch.equal(opt_t.state[pt][name], opt_r.state[pr][name])
-
-
-def run_steps(params, opt, grads_list):
-    for grads in grads_list:
-        set_grads(params, grads)
-        opt.step()
-
-
-@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
-def test_resumed_run_equals_uninterrupted_run(param_dtype):
-    stream = gradient_stream(SHAPES, 10)
-    hyper = dict(lr=0.05, density=0.25, block_size=16, weight_decay=0.01)
-
-    params_a = make_params(SHAPES, dtype=param_dtype)
-    opt_a = SparseAdaGrad(params_a, **hyper)
-    run_steps(params_a, opt_a, stream)
-
-    params_b = make_params(SHAPES, dtype=param_dtype)
-    opt_b = SparseAdaGrad(params_b, **hyper)
-    run_steps(params_b, opt_b, stream[:5])
-    buffer = io.BytesIO()
-    torch.save({"params": [p.detach() for p in params_b], "optim": opt_b.state_dict()}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer)
-
-    params_c = [torch.nn.Parameter(t.clone()) for t in checkpoint["params"]]
-    opt_c = SparseAdaGrad(params_c, **hyper)
-    opt_c.load_state_dict(checkpoint["optim"])
-    for p in params_c:  # buffers stay float32 whatever the parameter dtype
-        assert opt_c.state[p]["error"].dtype == torch.float32
-        assert opt_c.state[p]["sum_sq"].dtype == torch.float32
-    run_steps(params_c, opt_c, stream[5:])
-    for pa, pc in zip(params_a, params_c):
-        assert torch.equal(pa, pc)
-        for name in ("error", "sum_sq", "step"):
-            assert torch.equal(opt_a.state[pa][name], opt_c.state[pc][name])
-
-
-def test_loading_does_not_alias_the_checkpoint():
-    params = make_params(SHAPES)
-    opt = SparseAdaGrad(params, lr=0.05, density=0.25, block_size=16)
-    run_steps(params, opt, gradient_stream(SHAPES, 2))
-    saved = copy.deepcopy(opt.state_dict())
-    reference = copy.deepcopy(saved)
-    opt.load_state_dict(saved)
-    run_steps(params, opt, gradient_stream(SHAPES, 2, seed=5))
-    for key, state in saved["state"].items():
-        for name in ("error", "sum_sq"):
-            assert torch.equal(state[name], reference["state"][key][name])
 
 
 def test_param_groups_use_their_own_hyperparameters():
@@ -223,115 +155,6 @@ def test_padding_never_reaches_parameters():
     assert not bool(packed.error.view(-1)[10:].any()) and not bool(packed.sum_sq.view(-1)[10:].any())
 
 
-@pytest.mark.parametrize("policy", ["skip", "raise"])
-@pytest.mark.parametrize("problem", ["nonfinite", "huge"])
-def test_nonfinite_or_huge_gradient_changes_nothing(policy, problem):
-    first, second = make_params([(6,)], seed=1), make_params([(9,)], seed=2)
-    opt = SparseAdaGrad(
-        [{"params": first}, {"params": second}], lr=0.1, density=0.5, block_size=4,
-        on_nonfinite=policy,
-    )
-    gen = torch.Generator().manual_seed(0)
-    set_grads(first + second, [torch.randn(6, generator=gen), torch.randn(9, generator=gen)])
-    opt.step()
-    before = copy.deepcopy(opt.state_dict())
-    values = [p.detach().clone() for p in first + second]
-    bad = torch.randn(9, generator=gen)
-    if problem == "nonfinite":
-        bad[4] = math.nan if policy == "skip" else math.inf
-    else:  # finite, but its square overflows the float32 AdaGrad sum
-        bad[4] = 1e30
-    message = "NaN or inf" if problem == "nonfinite" else "too large"
-    set_grads(first + second, [torch.randn(6, generator=gen), bad])
-    if policy == "skip":
-        with pytest.warns(RuntimeWarning, match=message):
-            opt.step()
-        assert opt.skipped_steps == 1
-    else:
-        with pytest.raises(FloatingPointError, match=message):
-            opt.step()
-    for p, v in zip(first + second, values):
-        assert torch.equal(p.detach(), v)
-    after = opt.state_dict()
-    for key, state in before["state"].items():
-        for name, value in state.items():
-            assert torch.equal(after["state"][key][name], value)
-    # A finite step afterwards proceeds normally.
-    set_grads(first + second, [torch.randn(6, generator=gen), torch.randn(9, generator=gen)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        opt.step()
-    assert int(opt.state[first[0]]["step"]) == 2
-    if policy == "skip":
-        restored = SparseAdaGrad([{"params": first}, {"params": second}], on_nonfinite=policy)
-        restored.load_state_dict(opt.state_dict())
-        assert restored.skipped_steps == 1
-
-
-@pytest.mark.parametrize(
-    "kwargs, word",
-    [
-        (dict(lr=-1.0), "lr"),
-        (dict(lr=math.nan), "lr"),
-        (dict(lr=torch.tensor(0.1)), "lr"),
-        (dict(eps=-1e-8), "eps"),
-        (dict(weight_decay=-0.1), "weight_decay"),
-        (dict(density=0.0), "density"),
-        (dict(density=1.5), "density"),
-        (dict(density=0.1, k=2), "density or k"),
-        (dict(k=0), "k must"),
-        (dict(k=5, block_size=4), "k must"),
-        (dict(k=2.5), "k must"),
-        (dict(block_size=0), "block_size"),
-        (dict(block_size=4.0), "block_size"),
-        (dict(on_nonfinite="ignore"), "on_nonfinite"),
-    ],
-)
-def test_bad_hyperparameters_are_named(kwargs, word):
-    with pytest.raises((ValueError, TypeError), match=word):
-        SparseAdaGrad(make_params([(3,)]), **kwargs)
-
-
-def test_bad_param_group_is_named():
-    opt = SparseAdaGrad(make_params([(3,)]))
-    with pytest.raises(ValueError, match="density"):
-        opt.add_param_group({"params": make_params([(2,)]), "density": 2.0})
-
-
-def test_complex_parameters_and_gradients_are_rejected():
-    with pytest.raises(ValueError, match="complex"):
-        SparseAdaGrad([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
-    with pytest.raises(ValueError, match="floating-point"):
-        SparseAdaGrad([torch.zeros(3, dtype=torch.int64)])
-
-
-def test_sparse_gradients_are_rejected_before_anything_changes():
-    embedding = torch.nn.Embedding(10, 4, sparse=True)
-    dense = torch.nn.Parameter(torch.ones(3))
-    opt = SparseAdaGrad([dense, embedding.weight], density=0.5)
-    weight_before = embedding.weight.detach().clone()
-    dense.grad = torch.ones(3)
-    embedding(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(RuntimeError, match="sparse gradients"):
-        opt.step()
-    assert torch.equal(dense.detach(), torch.ones(3))
-    assert torch.equal(embedding.weight.detach(), weight_before)
-
-
-def test_closure_is_evaluated_with_grad_enabled():
-    params = make_params([(4,)])
-    opt = SparseAdaGrad(params, lr=0.1, density=0.5)
-
-    def closure():
-        opt.zero_grad()
-        loss = (params[0] ** 2).sum()
-        loss.backward()
-        return loss
-
-    loss = opt.step(closure)
-    assert loss.item() > 0 and params[0].grad is not None
-
-
 def test_state_bytes_follow_the_layout():
     params = make_params(SHAPES)  # 62 elements, blocks of 16: 4 blocks, 64 slots
     opt = SparseAdaGrad(params, lr=0.1, density=0.25, block_size=16)
@@ -360,3 +183,17 @@ def test_trains_a_small_regression():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.05 * losses[0]
+
+
+def test_a_state_dict_without_step_counters_is_refused_before_anything_changes():
+    params = make_params(SHAPES)
+    opt = SparseAdaGrad(params, lr=0.05, density=0.25, block_size=16)
+    run_steps(params, opt, gradient_stream(SHAPES, 2))
+    saved = copy.deepcopy(opt.state_dict())  # state_dict() shares the live state's dicts
+    for entry in saved["state"].values():
+        del entry["step"]
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="step"):
+        opt.load_state_dict(saved)
+    run_steps(params, opt, gradient_stream(SHAPES, 1, seed=4))
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))

@@ -2,7 +2,7 @@
 
 * :mod:`tritonopt.ops` -- the kernels as ``torch.library`` custom ops;
 * :mod:`tritonopt.optim` -- ``torch.optim``-style optimizers built on them;
-* :mod:`tritonopt.dist` -- ``torch.distributed`` layers.
+* :mod:`tritonopt.dist` -- ``torch.distributed`` layers (imported on first use).
 
 Every op has a Triton kernel and a plain-PyTorch reference; see
 :func:`select_backend` for which one runs.
@@ -19,6 +19,15 @@ from tritonopt._runtime import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # tritonopt.dist pulls in torch.distributed: loaded when first named, not by every import.
+    if name == "dist":
+        import importlib
+
+        return importlib.import_module("tritonopt.dist")
+    raise AttributeError(f"module 'tritonopt' has no attribute {name!r}")
+
 __all__ = [
     "BackendUnavailableError",
     "interpreter_enabled",
@@ -28,4 +37,5 @@ __all__ = [
     "select_backend",
     "use_backend",
     "__version__",
+    "dist",
 ]

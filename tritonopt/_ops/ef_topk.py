@@ -70,7 +70,7 @@ def densify_blocks(indices: torch.Tensor, values: torch.Tensor, block_size: int)
     ``[0, block_size)``; ``values`` has its shape.
     """
     check_tensor("indices", indices, ndim=2, dtypes=(torch.int32, torch.int64))
-    check_tensor("values", values, shape=indices.shape)
+    check_tensor("values", values, shape=indices.shape, dtypes=(*FLOAT_DTYPES, torch.float64))
     check_int("block_size", block_size, low=max(1, indices.shape[1]))
     check_same_device("indices", indices, values=values)
     # A value check reads the data: not while torch.compile traces (scatter_ still bounds-checks),

@@ -22,13 +22,13 @@ from tritonopt.kernels.fosi_step import BASES, MAX_RANK
 __all__ = ["fosi_step"]
 
 
-def _check_vector(name: str, t, n: int, param: torch.Tensor, *, dtypes=(torch.float32,)) -> None:
+def _check_vector(name: str, t, n: int, param: torch.Tensor, *, dtypes=(torch.float32,), updated=False) -> None:
     check_tensor(name, t)
     if t.dim() != 1 or t.shape[0] != n:
         raise ValueError(f"{name} must be 1-D with {n} entries, got shape {tuple(t.shape)}")
     check_tensor(name, t, dtypes=dtypes)
     check_same_device("param", param, **{name: t})
-    check_tensor(name, t, contiguous=True)
+    check_tensor(name, t, contiguous=True, updated_in_place=updated)
 
 
 @define_op("fosi_step", mutates_args=("param", "state_a", "state_b", "g1_velocity"), nvtx="tritonopt/fosi/update")
@@ -78,9 +78,9 @@ def fosi_step(
     Raises:
         TypeError / ValueError: naming the offending argument, before anything is modified.
     """
-    check_tensor("param", param)
-    if param.dim() != 1 or param.dtype != torch.float32:
-        raise ValueError(f"param must be a 1-D float32 buffer, got {param.dtype} {tuple(param.shape)}")
+    check_tensor("param", param, dtypes=(torch.float32,))
+    if param.dim() != 1:
+        raise ValueError(f"param must be a 1-D float32 buffer, got shape {tuple(param.shape)}")
     check_tensor("param", param, updated_in_place=True)
     n = param.shape[0]
     _check_vector("grad", grad, n, param, dtypes=FLOAT_DTYPES)
@@ -99,13 +99,13 @@ def fosi_step(
     if base in ("heavy_ball", "adam"):
         if state_a is None:
             raise ValueError(f"state_a is required for base={base!r}")
-        _check_vector("state_a", state_a, n, param)
+        _check_vector("state_a", state_a, n, param, updated=True)
     if base == "adam":
         if state_b is None:
             raise ValueError("state_b is required for base='adam'")
-        _check_vector("state_b", state_b, n, param)
+        _check_vector("state_b", state_b, n, param, updated=True)
     if g1_velocity is not None:
-        _check_vector("g1_velocity", g1_velocity, r, param)
+        _check_vector("g1_velocity", g1_velocity, r, param, updated=True)
     check_float("lr", lr, low=0.0)
     check_float("beta1", beta1, low=0.0, high=1.0)
     check_float("beta2", beta2, low=0.0, high=1.0)

@@ -234,8 +234,8 @@ def eigen_inv_denominator(dg: torch.Tensor, da: torch.Tensor, damping: float) ->
     An outer product and a reciprocal, computed once per eigendecomposition: a
     plain torch expression (no kernel needed).
     """
-    check_tensor("dg", dg)
-    check_tensor("da", da)
+    check_tensor("dg", dg, dtypes=FLOAT_DTYPES)
+    check_tensor("da", da, dtypes=FLOAT_DTYPES)
     check_float("damping", damping, low=0.0, low_open=True)
     if dg.dim() != 1 or da.dim() != 1:
         raise ValueError(f"dg and da must be 1-D, got shapes {tuple(dg.shape)} and {tuple(da.shape)}")

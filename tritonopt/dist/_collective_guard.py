@@ -1,4 +1,4 @@
-"""Timeouts, clear errors for failed collectives, and the start-up check that ranks agree.
+"""Timeouts for the groups a layer creates, and clear errors when a collective fails.
 
 * :func:`resolve_timeout` and :func:`timed_group`: a layer's ``timeout`` (a
   ``datetime.timedelta`` or seconds) applies to every process group it creates;
@@ -7,14 +7,11 @@
   :class:`~tritonopt.dist._comm.CountingCommunicator`, with the backend's error
   (gloo: "Connection reset by peer", "Timed out waiting ...") re-raised as a
   :class:`CollectiveFailure` that names the layer, the collective and the ranks.
-* :func:`check_agreement`: one ``all_gather`` of one 8-byte digest per setting;
-  every rank raises ``ValueError`` naming the settings on which ranks differ.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import time
 from typing import Optional, Sequence
 
@@ -23,7 +20,7 @@ import torch.distributed as dist
 
 from tritonopt._validation import check_float
 
-__all__ = ["CollectiveFailure", "GuardedCommunicator", "check_agreement", "resolve_timeout", "timed_group"]
+__all__ = ["CollectiveFailure", "GuardedCommunicator", "group_timeout", "resolve_timeout", "timed_group"]
 
 
 class CollectiveFailure(RuntimeError):
@@ -104,41 +101,3 @@ class GuardedCommunicator:
                 ) from exc
 
         return guarded
-
-
-def _digest(value) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def check_agreement(settings: dict, *, comm, group, layer: str, device: torch.device) -> None:
-    """Every rank of ``group`` holds the same ``settings`` (same names on every rank), or all raise.
-
-    One ``all_gather`` of ``len(settings)`` int64 digests ("configuration_check").
-
-    Raises:
-        ValueError: naming each setting that differs, which ranks hold which
-            value class, and this rank's values.
-    """
-    names = sorted(settings)
-    mine = torch.tensor([_digest(settings[name]) for name in names], dtype=torch.int64, device=device)
-    world = dist.get_world_size(group)
-    everyone = torch.empty(world * len(names), dtype=torch.int64, device=device)
-    comm.all_gather_into_tensor(everyone, mine, label="configuration_check", group=group)
-    table = everyone.view(world, len(names)).cpu()
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    differing = []
-    for j, name in enumerate(names):
-        column = table[:, j].tolist()
-        if len(set(column)) > 1:
-            classes: dict[int, list[int]] = {}
-            for rank, value in zip(ranks, column):
-                classes.setdefault(value, []).append(rank)
-            differing.append((name, " vs ".join(str(members) for members in classes.values())))
-    if differing:
-        me = dist.get_rank()
-        raise ValueError(
-            f"{layer}: the ranks' configurations disagree on "
-            + "; ".join(f"{name!r} (ranks {split})" for name, split in differing)
-            + f". Rank {me} has " + ", ".join(f"{name}={settings[name]!r}" for name, _ in differing)
-            + ". Every rank must build the same model and pass the same arguments."
-        )

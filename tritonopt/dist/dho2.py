@@ -60,9 +60,10 @@ Accelerators do not train; their weights follow the broadcast at each epoch star
 
 Both layers take a ``timeout`` that applies to every process group they
 create (DHO2 creates one only when given a timeout), check at construction,
-with one ``all_gather`` of 8-byte digests ("configuration_check"), that every
+with two small ``all_gather`` of 8-byte digests ("config_check"), that every
 rank has the same model shapes, hyperparameters and world layout (else every
-rank raises ``ValueError`` naming the settings that differ), and re-raise a
+rank raises ``ValueError`` naming the settings that differ and each rank's
+value), and re-raise a
 failed collective (a rank that died, or stalled past the timeout) as
 :class:`~tritonopt.dist._collective_guard.CollectiveFailure` naming the
 collective and the ranks.
@@ -80,12 +81,8 @@ import torch.distributed as dist
 
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_choice, check_float, check_int
-from tritonopt.dist._collective_guard import (
-    GuardedCommunicator,
-    check_agreement,
-    resolve_timeout,
-    timed_group,
-)
+from tritonopt.dist._agreement import check_ranks_agree
+from tritonopt.dist._collective_guard import GuardedCommunicator, resolve_timeout, timed_group
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.lanczos import (
     column_split,
@@ -270,7 +267,7 @@ class DHO2(FOSI):
             "parameter groups": [len(g["params"]) for g in self.param_groups],
         }
         device = trainable[0].device if trainable else torch.device("cpu")
-        check_agreement(settings, comm=guarded, group=group, layer="DHO2", device=device)
+        check_ranks_agree("DHO2", settings, comm=guarded, group=group, device=device)
 
     @property
     def memory(self) -> dict:
@@ -349,7 +346,7 @@ class MRDHO2:
             "accumulated_gradient": accumulated_gradient,
             "world layout": (world, num_accelerators),
         }
-        check_agreement(settings, comm=self._collectives, group=self.world_group, layer="MRDHO2", device=device)
+        check_ranks_agree("MRDHO2", settings, comm=self._collectives, group=self.world_group, device=device)
         self.accelerator_group = timed_group(self.accelerators, self.timeout, layer="MRDHO2")
         self.worker_group = timed_group(self.workers, self.timeout, layer="MRDHO2")
         self.bridge_group = timed_group(self.accelerators + [self.first_worker], self.timeout, layer="MRDHO2")

@@ -17,14 +17,17 @@ are views of its slice, so the kernels run once per group while
   float state to the parameter's dtype) and carry ``skipped_steps``;
 * copies: ``copy.deepcopy`` and ``pickle`` keep every attribute; the flat
   buffers are rebuilt from the per-parameter state at the next step;
-* :meth:`PackedOptimizer.state_bytes`: the bytes of the state.
+* :meth:`PackedOptimizer.state_bytes`: the bytes of the state and the work buffers;
+* :func:`available_memory`: what a device can still hold, to refuse an optimizer
+  whose state cannot fit before it allocates anything.
 """
 
 from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -38,12 +41,19 @@ NONFINITE_POLICIES = ("skip", "raise")
 
 class PackedGroup:
     """One group's flat buffers: ``state`` ones (per-parameter views live in the optimizer's state)
-    and ``work`` ones (scratch, such as the packed gradient). Read either as an attribute."""
+    and ``work`` ones (scratch, such as the packed gradient). Read either as an attribute.
+
+    ``stats`` holds 0-d device tensors the last step measured (no host synchronisation).
+    """
 
     def __init__(self, layout: BlockLayout, state: dict[str, torch.Tensor], work: dict[str, torch.Tensor]):
         self.layout = layout
         self.state = state
         self.work = work
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def work_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.work.values())
 
     def __getattr__(self, name: str) -> torch.Tensor:
         for buffers in (self.__dict__.get("state", {}), self.__dict__.get("work", {})):
@@ -77,6 +87,80 @@ def bind_flat_state(
     return buffers
 
 
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes the device can still allocate (free GPU memory, or the host's available memory), None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return None
+
+
+def _no_entries(p: torch.Tensor) -> dict:
+    return {}
+
+
+@dataclass
+class CheckpointSpec:
+    """What the saved state of one parameter group must hold, checked before a checkpoint is loaded.
+
+    Every parameter that has state holds the names in ``per_param`` and those
+    ``param_shapes(p)`` returns, with those shapes; it may hold ``optional``
+    ones. Entries named in ``like_param`` are shaped like the parameter. The first
+    parameter's state also holds the group's entries: tensors ``group_shapes``
+    and integers ``group_counters`` (each below its bound).
+    """
+
+    per_param: frozenset
+    like_param: frozenset = frozenset()
+    optional: frozenset = frozenset()
+    param_shapes: Callable[[torch.Tensor], dict] = _no_entries
+    group_shapes: dict = field(default_factory=dict)
+    group_counters: dict = field(default_factory=dict)
+
+    def check(self, owner: str, params: Sequence[torch.Tensor], entries: Sequence[Optional[dict]]) -> None:
+        if not any(entries):
+            return
+        group_names = set(self.group_shapes) | set(self.group_counters)
+        for position, (p, entry) in enumerate(zip(params, entries)):
+            if not entry:
+                continue
+            expected = dict(self.param_shapes(p))
+            required = set(self.per_param) | set(expected) | (group_names if position == 0 else set())
+            expected.update({name: tuple(p.shape) for name in self.like_param})
+            allowed = required | set(self.optional)
+            unknown = sorted(set(entry) - allowed)
+            if unknown:
+                raise ValueError(
+                    f"the saved state holds {unknown}, which {owner} does not keep: "
+                    "was it saved by another optimizer?"
+                )
+            missing = sorted(required - set(entry))
+            if missing:
+                raise ValueError(f"the saved state of a parameter lacks {missing}; it cannot be resumed")
+            if position == 0:
+                expected.update(self.group_shapes)
+            for name, shape in expected.items():
+                value = entry.get(name)
+                if value is None:
+                    continue
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(f"saved state {name!r} has shape {got}, expected {tuple(shape)}")
+            if position == 0:
+                for name, bound in self.group_counters.items():
+                    value = entry[name]
+                    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= bound:
+                        raise ValueError(f"saved state {name!r} must be an int in [0, {bound}], got {value!r}")
+
+
 class PackedOptimizer(Optimizer):
     """Base class of the tritonopt optimizers (see the module docstring).
 
@@ -99,12 +183,20 @@ class PackedOptimizer(Optimizer):
     def _check_group(self, group: dict) -> None:
         raise NotImplementedError
 
+    def _checkpoint_spec(self, index: int, group: dict, params: Sequence[torch.Tensor]) -> Optional[CheckpointSpec]:
+        """What a checkpoint of group ``index`` (``group``: its saved hyperparameters) must hold; None checks nothing."""
+        return None
+
+    def _check_group_set(self, groups: Sequence[dict]) -> None:
+        """Checks across groups (run on the optimizer's groups, and on a state dict's before loading)."""
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             self._check_group(group)
             self._check_params(group["params"])
+            self._check_group_set(self.param_groups)
         except Exception:
             self.param_groups.pop()  # a rejected group leaves the optimizer as it was
             raise
@@ -136,8 +228,20 @@ class PackedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ the non-finite policy
 
-    def _refuse_step(self, problem: str) -> None:
-        """Apply ``on_nonfinite`` to a step that must not happen; nothing has been modified."""
+    def _stateless_params(self) -> list[torch.Tensor]:
+        """Parameters without state: a refused step forgets any state it created for them."""
+        return [p for group in self.param_groups for p in group["params"] if not self.state.get(p)]
+
+    def _refuse_step(self, problem: str, stateless: Sequence[torch.Tensor] = ()) -> None:
+        """Apply ``on_nonfinite`` to a step that must not happen; nothing has been modified.
+
+        ``stateless``: the parameters that had no state when the step began
+        (:meth:`_stateless_params`); state created for them since is dropped.
+        """
+        for p in stateless:
+            self.state.pop(p, None)
+        if stateless:
+            self._packed.clear()
         name = type(self).__name__
         if self.on_nonfinite == "raise":
             raise FloatingPointError(f"{name}: {problem}; nothing was modified")
@@ -159,8 +263,21 @@ class PackedOptimizer(Optimizer):
         state_dict = dict(state_dict)
         skipped = state_dict.pop("skipped_steps", 0)
         saved_state = state_dict["state"]
-        for group in state_dict["param_groups"]:
-            self._check_group({**self.defaults, **group})
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(saved["params"]) != len(group["params"]) for saved, group in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError("the state dict's parameter groups do not match the optimizer's (count or sizes)")
+        hypers = [{**self.defaults, **{k: v for k, v in saved.items() if k != "params"}} for saved in saved_groups]
+        for hyper in hypers:
+            self._check_group(hyper)
+        self._check_group_set(hypers)
+        for index, (saved, group, hyper) in enumerate(zip(saved_groups, self.param_groups, hypers)):
+            spec = self._checkpoint_spec(index, hyper, group["params"])
+            if spec is not None:
+                spec.check(type(self).__name__, group["params"], [saved_state.get(i) for i in saved["params"]])
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"skipped_steps must be an int >= 0, got {skipped!r}")
         saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         super().load_state_dict(state_dict)
         # The base class casts float state to the parameter's dtype; keep the saved dtypes.
@@ -185,5 +302,6 @@ class PackedOptimizer(Optimizer):
         self._packed = {}
 
     def state_bytes(self) -> int:
-        """Bytes of the optimizer's state tensors, each storage counted once."""
-        return optimizer_state_bytes(self)
+        """Bytes the optimizer holds: its state tensors (each storage once) and its work buffers."""
+        work = sum(p.work_bytes() for p in self._packed.values() if isinstance(p, PackedGroup))
+        return optimizer_state_bytes(self) + work

@@ -690,6 +690,8 @@ class FOSI(PackedOptimizer):
         params = self._trainable()
         if not self._grads_present(params):
             return loss
+        # What a refused first step must take back: the state it creates.
+        stateless, velocity_before = self._stateless_params(), self.g1_velocity
         packed = self._ensure_packed()
         layout = packed.layout
         with nvtx_range("tritonopt/fosi/pack"):
@@ -704,7 +706,8 @@ class FOSI(PackedOptimizer):
         values = torch.stack(checks).tolist()
         largest_grad = values[0]
         if not math.isfinite(largest_grad):
-            self._refuse_step("a gradient holds NaN or inf")
+            self.g1_velocity = velocity_before
+            self._refuse_step("a gradient holds NaN or inf", stateless)
             return loss
         if self._state_bound is None:
             self._state_bound = values[1] if len(values) > 1 else 0.0
@@ -739,8 +742,10 @@ class FOSI(PackedOptimizer):
                     t.copy_(copy)
                 if refs is not None:
                     self._restore_curvature(packed, refs)
+                if stateless:
+                    self.g1_velocity = velocity_before
                 self._refuse_step("the update overflowed to NaN or inf (a finite but huge gradient); the step "
-                                  "was undone")
+                                  "was undone", stateless)
                 return loss
             state_bound = largest_state
         with nvtx_range("tritonopt/fosi/unpack"):

@@ -20,7 +20,7 @@ import torch
 
 from tritonopt.ops import ef_topk
 from tritonopt.ops import fosi_step
-from tritonopt.optim._blocks import BlockLayout, kept_per_block
+from tritonopt.optim._blocks import kept_per_block
 from tritonopt.optim._window_algebra import ggt_weights, mfac_coefficients, mfac_weights, update_gram
 
 __all__ = [
@@ -60,27 +60,9 @@ def sparse_adagrad(
     return update.zero_().scatter_(1, indices, values / (kept_sum_sq.sqrt_() + eps))
 
 
-def heavy_ball_momentum(
-    buffer: torch.Tensor,
-    direction: torch.Tensor,
-    momentum: float,
-    *,
-    layout: Optional[BlockLayout] = None,
-    active: Optional[Sequence[bool]] = None,
-) -> torch.Tensor:
-    """``v = momentum * v + u`` (no dampening) on a packed group; returns ``v``.
-
-    With ``active`` (one flag per tensor of ``layout``) only the active tensors'
-    slices of ``buffer`` advance (parameters without a gradient keep their
-    velocity), and the blended vector is returned as a new tensor.
-    """
-    if active is None or all(active):
-        return buffer.mul_(momentum).add_(direction)
-    blended = buffer * momentum + direction
-    for is_active, buffer_view, blended_view in zip(active, layout.views(buffer), layout.views(blended)):
-        if is_active:
-            buffer_view.copy_(blended_view)
-    return blended
+def heavy_ball_momentum(buffer: torch.Tensor, direction: torch.Tensor, momentum: float) -> torch.Tensor:
+    """``v = momentum * v + u`` in place (no dampening); returns ``v``."""
+    return buffer.mul_(momentum).add_(direction)
 
 
 def apply_decoupled_update(

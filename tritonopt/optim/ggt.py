@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -33,7 +33,8 @@ class GGT(WindowedPreconditioner):
         lr: learning rate (the published run uses 1.0 with a cosine schedule).
         ngrads: window size.
         eps: added to the square root of the eigenvalues (``1e-5`` published).
-        momentum, weight_decay, on_nonfinite: as :class:`tritonopt.optim.mfac.MFAC`.
+        momentum, weight_decay, max_update_norm, per_group_windows, track_error_norm,
+            on_nonfinite: as :class:`tritonopt.optim.mfac.MFAC`.
     """
 
     ALGO = "ggt"
@@ -50,10 +51,15 @@ class GGT(WindowedPreconditioner):
         eps: float = 1e-5,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        max_update_norm: Optional[float] = None,
+        per_group_windows: bool = False,
+        track_error_norm: bool = False,
         on_nonfinite: str = "skip",
     ):
         defaults = dict(lr=lr, ngrads=ngrads, eps=eps, momentum=momentum, weight_decay=weight_decay)
-        super().__init__(params, defaults, on_nonfinite)
+        defaults["max_update_norm"] = max_update_norm
+        super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,
+                         track_error_norm=track_error_norm)
 
 
 class SparseGGT(WindowedPreconditioner):
@@ -67,7 +73,8 @@ class SparseGGT(WindowedPreconditioner):
     with ``z`` as in :class:`GGT`. At ``density=1`` it is :class:`GGT`.
 
     Args:
-        lr, ngrads, eps, momentum, weight_decay, on_nonfinite: as :class:`GGT`.
+        lr, ngrads, eps, momentum, weight_decay, max_update_norm, per_group_windows,
+            track_error_norm, on_nonfinite: as :class:`GGT`.
         density, block_size, error_feedback, values_dtype: as
             :class:`tritonopt.optim.mfac.SparseMFAC`.
     """
@@ -90,6 +97,9 @@ class SparseGGT(WindowedPreconditioner):
         weight_decay: float = 0.0,
         error_feedback: bool = True,
         values_dtype: torch.dtype = torch.float32,
+        max_update_norm: Optional[float] = None,
+        per_group_windows: bool = False,
+        track_error_norm: bool = False,
         on_nonfinite: str = "skip",
     ):
         defaults = dict(
@@ -97,4 +107,6 @@ class SparseGGT(WindowedPreconditioner):
             momentum=momentum, weight_decay=weight_decay, error_feedback=error_feedback,
             values_dtype=values_dtype,
         )
-        super().__init__(params, defaults, on_nonfinite)
+        defaults["max_update_norm"] = max_update_norm
+        super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,
+                         track_error_norm=track_error_norm)

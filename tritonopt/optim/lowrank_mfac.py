@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -43,8 +43,8 @@ class LowRankMFAC(WindowedPreconditioner):
     bytes for the window.
 
     Args:
-        lr, ngrads, damp, momentum, weight_decay, on_nonfinite: as
-            :class:`tritonopt.optim.mfac.MFAC`.
+        lr, ngrads, damp, momentum, weight_decay, max_update_norm, per_group_windows,
+            track_error_norm, on_nonfinite: as :class:`tritonopt.optim.mfac.MFAC`.
         rank: ``r``, the rank of each stored tensor (EFCP evaluates 1-8; 4 is used).
         seed: seeds the warm-start ``Q`` initialisation.
     """
@@ -66,6 +66,9 @@ class LowRankMFAC(WindowedPreconditioner):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         seed: int = 0,
+        max_update_norm: Optional[float] = None,
+        per_group_windows: bool = False,
+        track_error_norm: bool = False,
         on_nonfinite: str = "skip",
     ):
         check_int("seed", seed, low=0)
@@ -73,7 +76,9 @@ class LowRankMFAC(WindowedPreconditioner):
         defaults = dict(
             lr=lr, rank=rank, ngrads=ngrads, damp=damp, momentum=momentum, weight_decay=weight_decay
         )
-        super().__init__(params, defaults, on_nonfinite)
+        defaults["max_update_norm"] = max_update_norm
+        super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,
+                         track_error_norm=track_error_norm)
 
     def _initial_window(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
         return LowRankWindow.initial_state(self.state, group, layout, dtype, seed=self._seed)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -28,7 +28,9 @@ class MFAC(WindowedPreconditioner):
         theta = (1 - lr * weight_decay) * theta - lr * (momentum * v + u)
 
     The state holds ``4 * m * d`` bytes for the window (float32; float64 when every
-    parameter of the group is float64).
+    parameter is float64); :meth:`expected_state_bytes` gives the total before any
+    step, and a window that cannot fit in the device's memory is refused at
+    construction.
 
     Args:
         params: parameters or parameter groups (groups may override every
@@ -38,6 +40,13 @@ class MFAC(WindowedPreconditioner):
         damp: dampening ``lambda > 0``. If training diverges, increase it.
         momentum: ``v = momentum * v + u`` (no dampening), in ``[0, 1)``.
         weight_decay: decoupled, ``theta *= 1 - lr * weight_decay``.
+        max_update_norm: clip the preconditioned update ``u`` to this norm
+            (the EFCP ASDL runs clip at 10); ``None`` (default) does not clip.
+            Shared by all groups of one window.
+        per_group_windows: one window per parameter group instead of one over
+            all parameters (see :mod:`tritonopt.optim.windowed`).
+        track_error_norm: keep ``||e|| / ||g||`` of each step for
+            :meth:`error_norm_ratios` (two extra reductions per step).
         on_nonfinite: ``"skip"`` (warn, change nothing, count in
             :attr:`skipped_steps`) or ``"raise"`` (``FloatingPointError``) when a
             gradient holds NaN or inf.
@@ -57,10 +66,15 @@ class MFAC(WindowedPreconditioner):
         damp: float = 1e-5,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        max_update_norm: Optional[float] = None,
+        per_group_windows: bool = False,
+        track_error_norm: bool = False,
         on_nonfinite: str = "skip",
     ):
         defaults = dict(lr=lr, ngrads=ngrads, damp=damp, momentum=momentum, weight_decay=weight_decay)
-        super().__init__(params, defaults, on_nonfinite)
+        defaults["max_update_norm"] = max_update_norm
+        super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,
+                         track_error_norm=track_error_norm)
 
 
 class SparseMFAC(WindowedPreconditioner):
@@ -89,7 +103,8 @@ class SparseMFAC(WindowedPreconditioner):
     against dense M-FAC's ``4 m d``.
 
     Args:
-        lr, ngrads, damp, momentum, weight_decay, on_nonfinite: as :class:`MFAC`.
+        lr, ngrads, damp, momentum, weight_decay, max_update_norm, per_group_windows,
+        track_error_norm, on_nonfinite: as :class:`MFAC`.
         density: fraction of each block kept, in ``(0, 1]``.
         block_size: Top-k block length (a group smaller than one block is one block).
         error_feedback: keep the compression error and feed it back (default True).
@@ -115,6 +130,9 @@ class SparseMFAC(WindowedPreconditioner):
         weight_decay: float = 0.0,
         error_feedback: bool = True,
         values_dtype: torch.dtype = torch.float32,
+        max_update_norm: Optional[float] = None,
+        per_group_windows: bool = False,
+        track_error_norm: bool = False,
         on_nonfinite: str = "skip",
     ):
         defaults = dict(
@@ -122,4 +140,6 @@ class SparseMFAC(WindowedPreconditioner):
             momentum=momentum, weight_decay=weight_decay, error_feedback=error_feedback,
             values_dtype=values_dtype,
         )
-        super().__init__(params, defaults, on_nonfinite)
+        defaults["max_update_norm"] = max_update_norm
+        super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,
+                         track_error_norm=track_error_norm)

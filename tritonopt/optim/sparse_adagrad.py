@@ -10,7 +10,7 @@ import torch
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_float, check_int
 from tritonopt.optim._blocks import BlockLayout, kept_per_block
-from tritonopt.optim._packed import PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, bind_flat_state
 from tritonopt.optim.functional import apply_decoupled_update, sparse_adagrad
 
 # Squares of entries below this, summed over many steps, stay far from float32's 3.4e38.
@@ -43,7 +43,7 @@ class SparseAdaGrad(PackedOptimizer):
         block_size: Top-k block length. A group with fewer elements forms one
             block of its own size (``k`` is then capped at that size); the last
             block of a group is zero-padded, and padding never reaches a parameter.
-        eps: added to ``sqrt(H)``.
+        eps: added to ``sqrt(H)``, ``> 0`` (entries never selected have ``H = 0``).
         weight_decay: decoupled weight decay ``theta *= 1 - lr * weight_decay``.
         on_nonfinite: what a step does when a gradient holds NaN or inf:
             ``"skip"`` (default) leaves every parameter and all state untouched,
@@ -79,7 +79,7 @@ class SparseAdaGrad(PackedOptimizer):
     def _check_group(self, group: dict) -> None:
         group = {"density": None, "k": None, **group}
         check_float("lr", group["lr"], low=0.0)
-        check_float("eps", group["eps"], low=0.0)
+        check_float("eps", group["eps"], low=0.0, low_open=True)  # 0 would divide 0 by 0 where nothing was kept
         check_float("weight_decay", group["weight_decay"], low=0.0)
         check_int("block_size", group["block_size"], low=1)
         density, k = group["density"], group["k"]
@@ -89,6 +89,10 @@ class SparseAdaGrad(PackedOptimizer):
             check_int("k", k, low=1, high=group["block_size"])
         elif isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
             raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+
+    def _checkpoint_spec(self, index: int, group: dict, params) -> CheckpointSpec:
+        return CheckpointSpec(per_param=frozenset({"step", "error", "sum_sq"}),
+                              like_param=frozenset({"error", "sum_sq"}))
 
     def add_param_group(self, param_group: dict) -> None:
         if "k" in param_group and "density" not in param_group:
@@ -135,6 +139,7 @@ class SparseAdaGrad(PackedOptimizer):
                 loss = closure()
 
         # Validate and pack every group before any parameter or state changes.
+        stateless = self._stateless_params()
         work = []
         with nvtx_range("tritonopt/sparse_adagrad/pack"):
             for index, group in enumerate(self.param_groups):
@@ -151,7 +156,7 @@ class SparseAdaGrad(PackedOptimizer):
         largest = float(torch.stack([packed.grad.abs().amax() for _, _, packed in work]).max())
         if not largest < _MAX_GRADIENT_ENTRY:
             self._refuse_step("a gradient holds NaN or inf" if not math.isfinite(largest) else
-                              f"a gradient entry of {largest:.3g} is too large for the float32 state")
+                              f"a gradient entry of {largest:.3g} is too large for the float32 state", stateless)
             return loss
 
         for group, params, packed in work:

@@ -15,15 +15,21 @@ class                  window           weights (``scale``)
 ``SparseGGT``          sparse ring      :func:`ggt_weights` (``eps``)
 =====================  ===============  =====================================
 
-Each parameter group is one vector: all the group's parameters, flattened in
-group order and laid end to end, whether or not they have a gradient this step,
-so that the rows of the window always mean the same coordinates. A step::
+All parameters, of every group, form one vector (one empirical Fisher over the
+whole model, as the paper argues: a "no weight decay on biases" group must not
+split the curvature): the parameters, flattened in group order and laid end to
+end, whether or not they have a gradient this step, so that the rows of the
+window always mean the same coordinates. Groups keep their own ``lr``,
+``momentum`` and ``weight_decay``; the window's hyperparameters (``ngrads``, the
+scale, ``density``, ``block_size``, ...) are shared and must agree.
+``per_group_windows=True`` gives each group its own window instead. A step::
 
-    x, s = window.insert(g)              # g: the group's gradients, zero where missing
+    s = window.insert(g)                 # g: the gradients, zero where missing
     dots[slot, :] = dots[:, slot] = s
-    u = x / scale + weights(dots, s) @ G
-    v = momentum * v + u                 # only when momentum > 0 (no dampening)
-    theta = (1 - lr * weight_decay) * theta - lr * v      # decoupled weight decay
+    u = (weights(dots, s) + e_slot / scale) @ G        # = x / scale + z @ G
+    u *= min(1, max_update_norm / ||u||)               # only with max_update_norm
+    v = momentum * v + u                 # per group, only when momentum > 0 (no dampening)
+    theta = (1 - lr * weight_decay) * theta - lr * v   # per group, decoupled weight decay
 
 The decay is AdamW-style, ``1 - lr * weight_decay`` (the ISTA-DASLab
 convention); the EFCP repository's ``(1 - gamma) * theta`` is
@@ -37,28 +43,41 @@ to the row stored this step. State layout:
 * per parameter: ``step`` (float32 scalar), and, as views of one flat group
   buffer, ``error`` (error feedback, sparse and low-rank windows) and
   ``momentum_buffer`` (created at the first step with ``momentum > 0``);
-* per group, in the state of the group's first parameter: the window,
-  ``dots`` (float64 ``[m, m]`` Gram matrix of the rows), ``ring_slot`` (the next
-  row to overwrite) and ``ring_filled`` (rows written so far, at most ``m``).
+* per window, in the state of its first parameter: the window, ``dots``
+  (float64 ``[m, m]`` Gram matrix of the rows), ``ring_slot`` (the next row to
+  overwrite) and ``ring_filled`` (rows written so far, at most ``m``).
+
+Before it allocates anything, the constructor refuses a window whose state would
+not fit in the memory its device has left (:meth:`expected_state_bytes`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 from tritonopt._runtime import nvtx_range
-from tritonopt._validation import check_float, check_int
+from tritonopt._validation import check_bool, check_float, check_int
 from tritonopt.optim._blocks import BlockLayout
-from tritonopt.optim._packed import PackedGroup, PackedOptimizer, bind_flat_state
-from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum
+from tritonopt.optim._packed import (
+    CheckpointSpec,
+    PackedGroup,
+    PackedOptimizer,
+    available_memory,
+    bind_flat_state,
+)
 from tritonopt.optim._window_algebra import update_gram
+from tritonopt.optim._windows import fold_new_row
+from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum
 
-# Gradients are stored and multiplied in float32 (or bfloat16): with a group gradient norm
+# Gradients are stored and multiplied in float32 (or bfloat16): with a gradient norm
 # below this bound, every scalar product of two stored gradients stays far from overflow.
 MAX_GRADIENT_NORM = 1e17
+# What one window of a model shares across its groups (the rest is per group).
+WINDOW_KEYS = ("ngrads", "damp", "eps", "density", "block_size", "error_feedback", "values_dtype", "rank",
+               "max_update_norm")
 
 
 class WindowedPreconditioner(PackedOptimizer):
@@ -78,8 +97,16 @@ class WindowedPreconditioner(PackedOptimizer):
     # Blockwise compressors see a zero accumulator where a parameter has no gradient.
     FREEZE_BY_ZERO_ACCUMULATOR = True
 
-    def __init__(self, params: Iterable, defaults: dict, on_nonfinite: str):
-        super().__init__(params, defaults, on_nonfinite)
+    def __init__(self, params: Iterable, defaults: dict, on_nonfinite: str, *,
+                 per_group_windows: bool = False, track_error_norm: bool = False):
+        check_bool("per_group_windows", per_group_windows)
+        check_bool("track_error_norm", track_error_norm)
+        self.per_group_windows = per_group_windows
+        self.track_error_norm = track_error_norm
+        super().__init__(params, {"max_update_norm": None, **defaults}, on_nonfinite)
+        self._check_fits()
+
+    # ------------------------------------------------------------------ checks
 
     def _check_group(self, group: dict) -> None:
         check_float("lr", group["lr"], low=0.0)
@@ -87,23 +114,117 @@ class WindowedPreconditioner(PackedOptimizer):
         check_float("weight_decay", group["weight_decay"], low=0.0)
         check_int("ngrads", group["ngrads"], low=1)
         check_float(self.SCALE, group[self.SCALE], low=0.0, low_open=True)
+        if group.get("max_update_norm") is not None:
+            check_float("max_update_norm", group["max_update_norm"], low=0.0, low_open=True)
         self.WINDOW.check_group(group)
 
-    # ------------------------------------------------------------------ packing
+    def _check_group_set(self, groups: Sequence[dict]) -> None:
+        if self.per_group_windows:
+            return
+        for key in WINDOW_KEYS:
+            values = [group.get(key) for group in groups]
+            if any(value != values[0] for value in values):
+                raise ValueError(
+                    f"all parameter groups share one window, so they must agree on {key} (got "
+                    f"{values}); pass per_group_windows=True for one window per group"
+                )
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if getattr(self, "_fits_checked", False):  # groups added after construction
+            try:
+                self._check_fits()
+            except MemoryError:
+                self.param_groups.pop()
+                raise
+
+    # ------------------------------------------------------------------ windows and their memory
+
+    def _windows(self) -> list[list[dict]]:
+        """The groups of each window: one window over all groups, or one per group."""
+        groups = self.param_groups
+        return [[group] for group in groups] if self.per_group_windows else [list(groups)]
 
     def _block_size(self, group: dict) -> int:
         return group["block_size"] if self.WINDOW.BLOCKWISE else 1 << 62
 
-    def _work_dtype(self, params: list[torch.Tensor]) -> torch.dtype:
+    def _work_dtype(self, params: Sequence[torch.Tensor]) -> torch.dtype:
         if self.WINDOW.KEEPS_FLOAT64 and all(p.dtype == torch.float64 for p in params):
             return torch.float64
         return torch.float32
 
+    def expected_state_bytes(self) -> int:
+        """Bytes of state and work buffers the optimizer holds once every parameter has stepped.
+
+        Equals :meth:`state_bytes` then (with ``momentum_buffer`` when some group
+        has ``momentum > 0``); computed from the shapes alone, nothing is allocated.
+        """
+        total = 0
+        for groups in self._windows():
+            params = [p for group in groups for p in group["params"]]
+            if not params:
+                continue
+            dtype = self._work_dtype(params)
+            group_entries, param_entries = self.WINDOW.state_layout(groups[0], params, dtype)
+            entries = list(group_entries.values())
+            for p in params:
+                entries += list(param_entries(p).values())
+            total += sum(math.prod(shape) * torch.empty((), dtype=d).element_size() for shape, d in entries)
+            layout_numel = _padded_numel(params, self._block_size(groups[0]))
+            flat = 1 + int(self.WINDOW.ERROR_FEEDBACK) + int(any(g["momentum"] > 0 for g in groups))
+            total += flat * layout_numel * torch.empty((), dtype=dtype).element_size()
+            total += 4 * len(params)  # the float32 step counters
+        return total
+
+    def _check_fits(self) -> None:
+        self._fits_checked = True
+        devices = {p.device for group in self.param_groups for p in group["params"]}
+        if len(devices) != 1:
+            return
+        available = available_memory(devices.pop())
+        needed = self.expected_state_bytes()
+        if available is not None and needed > available:
+            raise MemoryError(
+                f"{type(self).__name__} needs {needed / 2**30:.2f} GiB for its state, and the device has "
+                f"{available / 2**30:.2f} GiB left; lower ngrads (or density) or use a compressed window"
+            )
+
+    def _checkpoint_spec(self, index: int, group: dict, params) -> CheckpointSpec:
+        if self.per_group_windows:
+            window_params, first = params, True
+        else:
+            window_params = [p for g in self.param_groups for p in g["params"]]
+            first = index == 0
+        group_entries, param_entries = self.WINDOW.state_layout(group, window_params, self._work_dtype(window_params))
+        error = {"error"} if self.WINDOW.ERROR_FEEDBACK else set()
+        return CheckpointSpec(
+            per_param=frozenset({"step"} | error),
+            like_param=frozenset(error | {"momentum_buffer"}),
+            optional=frozenset({"momentum_buffer"}),
+            param_shapes=lambda p: {name: shape for name, (shape, _) in param_entries(p).items()},
+            group_shapes={name: shape for name, (shape, _) in group_entries.items()} if first else {},
+            group_counters={"ring_slot": group["ngrads"] - 1, "ring_filled": group["ngrads"]} if first else {},
+        )
+
+    def error_norm_ratios(self) -> list[Optional[float]]:
+        """``||e|| / ||g||`` of each window's last step (what compression left out), with ``track_error_norm``.
+
+        ``None`` for a window that keeps uncompressed rows or has not stepped.
+        Reading it synchronises with the device.
+        """
+        ratios = []
+        for index in range(len(self._windows())):
+            stats = getattr(self._packed.get(index), "stats", {})
+            ratios.append(float(stats["error_norm"] / stats["grad_norm"]) if "error_norm" in stats else None)
+        return ratios
+
+    # ------------------------------------------------------------------ packing
+
     def _initial_window(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
         return self.WINDOW.initial_state(self.state, group, layout, dtype)
 
-    def _packed_group(self, index: int, group: dict) -> PackedGroup:
-        params = group["params"]
+    def _packed_window(self, index: int, groups: list[dict], params: list[torch.Tensor]) -> PackedGroup:
+        group = groups[0]
         packed = self._packed.get(index)
         if (
             packed is not None
@@ -115,7 +236,7 @@ class WindowedPreconditioner(PackedOptimizer):
         layout = BlockLayout(params, self._block_size(group))
         dtype = self._work_dtype(params)
         names = ["error"] if self.WINDOW.ERROR_FEEDBACK else []
-        if any("momentum_buffer" in self.state[p] for p in params) or group["momentum"] > 0:
+        if any("momentum_buffer" in self.state[p] for p in params) or any(g["momentum"] > 0 for g in groups):
             names.append("momentum_buffer")
         for p in params:
             self.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
@@ -128,7 +249,7 @@ class WindowedPreconditioner(PackedOptimizer):
                 not isinstance(ring[name], torch.Tensor) or ring[name].shape != value.shape
             ):
                 raise ValueError(
-                    f"state {name!r} does not match this group's layout (expected shape "
+                    f"state {name!r} does not match this window's layout (expected shape "
                     f"{tuple(value.shape)}); were ngrads, block_size or the parameters changed?"
                 )
         packed = PackedGroup(layout, buffers, {"grad": layout.zeros(dtype)})
@@ -145,19 +266,21 @@ class WindowedPreconditioner(PackedOptimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        # Validate and pack every group before any parameter or state changes.
+        # Validate and pack every window before any parameter or state changes.
+        self._check_group_set(self.param_groups)
+        stateless = self._stateless_params()
         work = []
         with nvtx_range(f"tritonopt/{self.ALGO}/pack"):
-            for index, group in enumerate(self.param_groups):
-                params = group["params"]
+            for index, groups in enumerate(self._windows()):
+                params = [p for group in groups for p in group["params"]]
                 active = [p.grad is not None for p in params]
                 if not any(active):
                     continue
                 self._check_grads([p for p, a in zip(params, active) if a])
-                packed = self._packed_group(index, group)
+                packed = self._packed_window(index, groups, params)
                 sources = [p.grad if a else torch.zeros_like(p) for p, a in zip(params, active)]
                 packed.layout.pack(sources, packed.grad)
-                work.append((group, params, active, packed))
+                work.append((groups, params, active, packed))
         if not work:
             return loss
         # max|g| * sqrt(d) bounds the norm; NaN and inf propagate into it (one host sync).
@@ -165,27 +288,31 @@ class WindowedPreconditioner(PackedOptimizer):
         largest = float(bounds.max())
         if not largest < MAX_GRADIENT_NORM:
             self._refuse_step("a gradient holds NaN or inf" if not math.isfinite(largest) else
-                              f"a gradient is too large to precondition in float32 (norm up to {largest:.3g})")
+                              f"a gradient is too large to precondition in float32 (norm up to {largest:.3g})",
+                              stateless)
             return loss
 
-        for group, params, active, packed in work:
-            self._update_group(group, params, active, packed)
+        for groups, params, active, packed in work:
+            self._update_window(groups, params, active, packed)
         return loss
 
     def _direction(self, group: dict, packed: PackedGroup, active: list[bool]) -> torch.Tensor:
-        """``u = x / scale + weights(dots, G x) @ G`` after storing this step's ``x`` in the window."""
+        """``u = w @ G`` after storing this step's ``x`` in the window, ``w = weights(dots, G x) + e_slot / scale``."""
         ring = self.state[packed.layout.tensors[0]]
         slot = self._advance(ring)
-        x, products = self.WINDOW.insert(self.ALGO, self.state, group, packed, active, slot)
+        products = self.WINDOW.insert(self.ALGO, self.state, group, packed, active, slot)
         scale = group[self.SCALE]
         with nvtx_range(f"tritonopt/{self.ALGO}/solve"):
             update_gram(ring["dots"], slot, products)
-            weights = self.WEIGHTS(ring["dots"], products, scale)
+            weights = fold_new_row(self.WEIGHTS(ring["dots"], products, scale), slot, scale)
         with nvtx_range(f"tritonopt/{self.ALGO}/lcg"):
-            return self.WINDOW.combine(self.state, group, packed, x, weights, scale, slot)
+            return self.WINDOW.combine(self.state, group, packed, weights)
 
-    def _update_group(self, group, params, active, packed: PackedGroup) -> None:
+    def _update_window(self, groups: list[dict], params: list[torch.Tensor], active: list[bool],
+                       packed: PackedGroup) -> None:
         layout = packed.layout
+        if self.track_error_norm:
+            packed.stats["grad_norm"] = packed.grad.norm()
         frozen_error = None
         if self.WINDOW.ERROR_FEEDBACK and not all(active) and self.FREEZE_BY_ZERO_ACCUMULATOR:
             # Parameters without a gradient: accumulator exactly 0 there, error restored after.
@@ -194,21 +321,49 @@ class WindowedPreconditioner(PackedOptimizer):
                 if not a:
                     frozen_error.append((e_view, e_view.clone()))
                     torch.neg(e_view, out=g_view)
-        direction = self._direction(group, packed, active)
+        direction = self._direction(groups[0], packed, active)
         if frozen_error is not None:
             for view, saved in frozen_error:
                 view.copy_(saved)
+        if not self.track_error_norm:
+            packed.stats.pop("error_norm", None)
+        limit = groups[0]["max_update_norm"]
+        if limit is not None:
+            norm = direction.norm()
+            direction.mul_(torch.clamp(limit / norm.clamp_min(torch.finfo(norm.dtype).tiny), max=1.0))
 
-        mu = group["momentum"]
         with nvtx_range(f"tritonopt/{self.ALGO}/update"):
-            if mu > 0 and "momentum_buffer" not in packed.state:
+            if any(g["momentum"] > 0 for g in groups) and "momentum_buffer" not in packed.state:
                 packed.state.update(bind_flat_state(self.state, layout, ["momentum_buffer"], packed.grad.dtype))
-            if "momentum_buffer" in packed.state and mu > 0:
-                direction = heavy_ball_momentum(packed.momentum_buffer, direction, mu, layout=layout, active=active)
-            apply_decoupled_update(params, layout.views(direction), group["lr"], group["weight_decay"], active)
+            directions = layout.views(direction)
+            momenta = layout.views(packed.momentum_buffer) if "momentum_buffer" in packed.state else None
+            start = 0
+            for group in groups:
+                end = start + len(group["params"])
+                updates = directions[start:end]
+                if group["momentum"] > 0:
+                    updates = self._momentum(group["momentum"], layout, start, end, momenta, direction,
+                                             packed.momentum_buffer, active)
+                apply_decoupled_update(group["params"], updates, group["lr"], group["weight_decay"], active[start:end])
+                start = end
             for p, a in zip(params, active):
                 if a:
                     self.state[p]["step"] += 1
+
+    @staticmethod
+    def _momentum(mu, layout, start, end, momenta, direction, buffer, active) -> list[torch.Tensor]:
+        """``v = mu v + u`` on one group's tensors; those without a gradient keep their ``v``."""
+        if all(active[start:end]):
+            first, last = layout.offsets[start], layout.offsets[end - 1] + layout.numels[end - 1]
+            heavy_ball_momentum(buffer.view(-1)[first:last], direction.view(-1)[first:last], mu)
+            return momenta[start:end]
+        updates = []
+        for v, u, a in zip(momenta[start:end], layout.views(direction)[start:end], active[start:end]):
+            blended = v * mu + u
+            if a:
+                v.copy_(blended)
+            updates.append(blended)
+        return updates
 
     @staticmethod
     def _advance(ring: dict) -> int:
@@ -218,3 +373,9 @@ class WindowedPreconditioner(PackedOptimizer):
         ring["ring_slot"] = (slot + 1) % m
         ring["ring_filled"] = min(ring["ring_filled"] + 1, m)
         return slot
+
+
+def _padded_numel(params: Sequence[torch.Tensor], block_size: int) -> int:
+    total = sum(p.numel() for p in params)
+    block = max(1, min(block_size, total))
+    return -(-total // block) * block

@@ -1,0 +1,249 @@
+"""The table of ops the contract tests run through (in the manner of torch's ``OpInfo``).
+
+Each entry gives a small valid call (every argument by name), the arguments the
+op writes in place, and the op-specific bad inputs it must name. The contract
+tests derive the generic bad inputs themselves (a non-tensor, a complex tensor,
+a tensor on another device, a non-contiguous or grad-requiring buffer that is
+written in place, an updated buffer aliased with another argument). A new op
+joins every contract test by adding an entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tritonopt import ops
+
+
+@dataclass
+class OpInfo:
+    op: Callable
+    sample: Callable[[], dict]  # a valid call: argument name -> value
+    updated: tuple = ()  # the arguments written in place
+    bad: list = field(default_factory=list)  # (description, changes to the sample, exception, word)
+
+    @property
+    def name(self) -> str:
+        return self.op.name
+
+
+def _generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _ring(num_blocks=2, m=3, k=4, block_size=16, seed=0):
+    gen = _generator(seed)
+    indices = torch.stack([torch.randperm(block_size, generator=gen)[:k].sort().values
+                           for _ in range(num_blocks * m)]).view(num_blocks, m, k).to(torch.int32)
+    return indices, torch.randn(num_blocks, m, k, generator=gen)
+
+
+def _orthonormal_rows(rows: int, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(n, rows, generator=_generator(seed)))[0].T.contiguous()
+
+
+def _eigh(dim: int, seed: int):
+    a = torch.randn(dim, dim, generator=_generator(seed))
+    values, vectors = torch.linalg.eigh(a @ a.T + torch.eye(dim))
+    return vectors.contiguous(), values
+
+
+def _ef_topk():
+    gen = _generator(1)
+    return dict(grad=torch.randn(3, 32, generator=gen), error=torch.randn(3, 32, generator=gen), k=4)
+
+
+def _densify_blocks():
+    return dict(indices=torch.tensor([[0, 3], [1, 2]], dtype=torch.int32), values=torch.randn(2, 2), block_size=4)
+
+
+def _sparse_sp():
+    indices, values = _ring()
+    return dict(indices=indices, values=values, x=torch.randn(2, 16, generator=_generator(2)))
+
+
+def _sparse_lcg():
+    indices, values = _ring()
+    return dict(indices=indices, values=values, weights=torch.randn(3, generator=_generator(3)), block_size=16)
+
+
+def _sparse_ring_insert():
+    indices, values = _ring()
+    new_indices, new_values = _ring(m=1, seed=4)
+    return dict(indices=indices, values=values, slot=1, new_indices=new_indices[:, 0].contiguous(),
+                new_values=new_values[:, 0].contiguous())
+
+
+def _densify_ring():
+    indices, values = _ring()
+    return dict(indices=indices, values=values, block_size=16)
+
+
+def _lowrank_ef():
+    gen = _generator(5)
+    return dict(grad=torch.randn(12, 8, generator=gen), error=torch.randn(12, 8, generator=gen),
+                q=torch.randn(8, 2, generator=gen))
+
+
+def _lowrank_frobenius_products():
+    gen = _generator(6)
+    return dict(ring_p=torch.randn(3, 7, 2, generator=gen), ring_q=torch.randn(3, 5, 2, generator=gen),
+                p=torch.randn(7, 2, generator=gen), q=torch.randn(5, 2, generator=gen))
+
+
+def _kfac_factor_update():
+    return dict(factor=torch.eye(6), x=torch.randn(10, 5, generator=_generator(7)), decay=0.9, append_bias=True)
+
+
+def _eigenbasis_precondition():
+    qa, da = _eigh(5, 8)
+    qg, dg = _eigh(3, 9)
+    return dict(grad=torch.randn(3, 5, generator=_generator(10)), qa=qa, da=da, qg=qg, dg=dg, damping=0.1)
+
+
+def _eigenbasis_precondition_prediv():
+    qa, _ = _eigh(5, 8)
+    qg, _ = _eigh(3, 9)
+    return dict(grad=torch.randn(3, 5, generator=_generator(10)), qa=qa, qg=qg,
+                inv_denominator=torch.rand(3, 5, generator=_generator(11)))
+
+
+def _eigen_inv_denominator():
+    return dict(dg=torch.rand(3, generator=_generator(12)), da=torch.rand(5, generator=_generator(13)), damping=0.1)
+
+
+def _triu_pack():
+    a = torch.randn(5, 5, generator=_generator(14))
+    return dict(matrix=a + a.T)
+
+
+def _triu_unpack():
+    return dict(packed=torch.randn(15, generator=_generator(15)), dim=5)
+
+
+def _gram_schmidt_project():
+    return dict(basis=_orthonormal_rows(4, 20), h=torch.randn(20, generator=_generator(16)), num_rows=3)
+
+
+def _gram_schmidt_coefficients():
+    return dict(basis=_orthonormal_rows(4, 20), h=torch.randn(20, generator=_generator(16)), num_rows=3)
+
+
+def _gram_schmidt_subtract():
+    return dict(basis=_orthonormal_rows(4, 20), h=torch.randn(20, generator=_generator(16)),
+                coef=torch.randn(3, generator=_generator(17)))
+
+
+def _fosi_step():
+    gen = _generator(18)
+    n, r = 40, 3
+    return dict(param=torch.randn(n, generator=gen), grad=torch.randn(n, generator=gen),
+                basis=_orthonormal_rows(r, n, 19), newton_scale=torch.rand(r, generator=gen),
+                base="adam", state_a=torch.zeros(n), state_b=torch.zeros(n), lr=0.01)
+
+
+OPS = [
+    OpInfo(ops.ef_topk, _ef_topk, updated=("error",), bad=[
+        ("k zero", dict(k=0), ValueError, "k"),
+        ("k above the block", dict(k=33), ValueError, "k"),
+        ("k a float", dict(k=2.0), TypeError, "k"),
+        ("k a bool", dict(k=True), TypeError, "k"),
+        ("1-D grad", dict(grad=torch.zeros(32), error=torch.zeros(32)), ValueError, "grad"),
+        ("error of another shape", dict(error=torch.zeros(3, 31)), ValueError, "error"),
+        ("float16 error", dict(error=torch.zeros(3, 32, dtype=torch.float16)), TypeError, "error"),
+        ("float64 grad", dict(grad=torch.zeros(3, 32, dtype=torch.float64)), TypeError, "grad"),
+    ]),
+    OpInfo(ops.densify_blocks, _densify_blocks, bad=[
+        ("index past the block", dict(block_size=3), ValueError, "indices"),
+        ("block smaller than k", dict(block_size=1), ValueError, "block_size"),
+        ("float indices", dict(indices=torch.zeros(2, 2)), TypeError, "indices"),
+    ]),
+    OpInfo(ops.sparse_sp, _sparse_sp, bad=[
+        ("int64 indices", dict(indices=torch.zeros(2, 3, 4, dtype=torch.int64)), TypeError, "indices"),
+        ("float16 values", dict(values=torch.zeros(2, 3, 4, dtype=torch.float16)), TypeError, "values"),
+        ("x with other blocks", dict(x=torch.zeros(3, 16)), ValueError, "x must"),
+        ("x narrower than k", dict(x=torch.zeros(2, 3)), ValueError, "block_size"),
+    ]),
+    OpInfo(ops.sparse_lcg, _sparse_lcg, bad=[
+        ("a weight per row", dict(weights=torch.zeros(4)), ValueError, "weights"),
+        ("block smaller than k", dict(block_size=3), ValueError, "block_size"),
+        ("block_size a float", dict(block_size=16.0), TypeError, "block_size"),
+    ]),
+    OpInfo(ops.sparse_ring_insert, _sparse_ring_insert, updated=("indices", "values"), bad=[
+        ("slot past the ring", dict(slot=3), ValueError, "slot"),
+        ("negative slot", dict(slot=-1), ValueError, "slot"),
+        ("slot a float", dict(slot=1.0), TypeError, "slot"),
+        ("new row of another k", dict(new_indices=torch.zeros(2, 3, dtype=torch.int32)), ValueError, "new_indices"),
+        ("bfloat16 new values", dict(new_values=torch.zeros(2, 4, dtype=torch.bfloat16)), TypeError, "new_values"),
+    ]),
+    OpInfo(ops.densify_ring, _densify_ring, bad=[
+        ("index past the block", dict(block_size=8), ValueError, "indices must lie"),
+        ("block smaller than k", dict(block_size=3), ValueError, "block_size"),
+    ]),
+    OpInfo(ops.lowrank_ef, _lowrank_ef, updated=("error",), bad=[
+        ("3-D grad", dict(grad=torch.zeros(2, 6, 8), error=torch.zeros(2, 6, 8)), ValueError, "grad must be 1-D or 2-D"),
+        ("q with other rows", dict(q=torch.zeros(7, 2)), ValueError, "q must be"),
+        ("rank 0", dict(q=torch.zeros(8, 0)), ValueError, "q must be"),
+        ("float64 error", dict(error=torch.zeros(12, 8, dtype=torch.float64)), TypeError, "error"),
+    ]),
+    OpInfo(ops.lowrank_frobenius_products, _lowrank_frobenius_products, bad=[
+        ("mixed dtypes", dict(p=torch.zeros(7, 2, dtype=torch.float64)), TypeError, "dtype"),
+        ("other m", dict(ring_q=torch.zeros(2, 5, 2)), ValueError, "same m"),
+    ]),
+    OpInfo(ops.kfac_factor_update, _kfac_factor_update, updated=("factor",), bad=[
+        ("decay above 1", dict(decay=1.5), ValueError, "decay"),
+        ("decay NaN", dict(decay=float("nan")), ValueError, "decay"),
+        ("decay a string", dict(decay="0.5"), TypeError, "decay"),
+        ("append_bias an int", dict(append_bias=1), TypeError, "append_bias"),
+        ("unknown precision", dict(precision="fp8"), ValueError, "precision"),
+        ("no rows", dict(x=torch.zeros(0, 5)), ValueError, "x"),
+        ("factor without the bias column", dict(factor=torch.eye(5)), ValueError, "factor"),
+    ]),
+    OpInfo(ops.eigenbasis_precondition, _eigenbasis_precondition, bad=[
+        ("damping 0", dict(damping=0.0), ValueError, "damping"),
+        ("qa of another size", dict(qa=torch.eye(4)), ValueError, "qa"),
+        ("dg of another size", dict(dg=torch.ones(5)), ValueError, "dg"),
+        ("unknown precision", dict(precision="fast"), ValueError, "precision"),
+    ]),
+    OpInfo(ops.eigenbasis_precondition_prediv, _eigenbasis_precondition_prediv, bad=[
+        ("transposed reciprocal", dict(inv_denominator=torch.ones(5, 3)), ValueError, "inv_denominator"),
+    ]),
+    OpInfo(ops.eigen_inv_denominator, _eigen_inv_denominator, bad=[
+        ("damping NaN", dict(damping=float("nan")), ValueError, "damping"),
+        ("2-D eigenvalues", dict(dg=torch.ones(3, 1)), ValueError, "1-D"),
+    ]),
+    OpInfo(ops.triu_pack, _triu_pack, bad=[
+        ("not square", dict(matrix=torch.zeros(3, 4)), ValueError, "matrix"),
+        ("integer target dtype", dict(dtype=torch.int32), TypeError, "dtype"),
+    ]),
+    OpInfo(ops.triu_unpack, _triu_unpack, bad=[
+        ("too few entries", dict(packed=torch.zeros(14)), ValueError, "packed"),
+        ("dim a float", dict(dim=5.0), TypeError, "dim"),
+        ("strided", dict(packed=torch.zeros(30)[::2]), ValueError, "packed"),
+    ]),
+    OpInfo(ops.gram_schmidt_project, _gram_schmidt_project, bad=[
+        ("more rows than the basis", dict(num_rows=5), ValueError, "num_rows"),
+        ("num_rows a float", dict(num_rows=1.0), TypeError, "num_rows"),
+        ("no pass", dict(passes=0), ValueError, "passes"),
+        ("h of another dtype", dict(h=torch.zeros(20, dtype=torch.float64)), TypeError, "h must have basis's dtype"),
+    ]),
+    OpInfo(ops.gram_schmidt_coefficients, _gram_schmidt_coefficients, bad=[
+        ("negative num_rows", dict(num_rows=-1), ValueError, "num_rows"),
+    ]),
+    OpInfo(ops.gram_schmidt_subtract, _gram_schmidt_subtract, bad=[
+        ("more coefficients than rows", dict(coef=torch.zeros(5)), ValueError, "coef"),
+    ]),
+    OpInfo(ops.fosi_step, _fosi_step, updated=("param", "state_a", "state_b"), bad=[
+        ("unknown base", dict(base="lion"), ValueError, "base must be one of"),
+        ("Adam without its second moment", dict(state_b=None), ValueError, "state_b is required"),
+        ("lr NaN", dict(lr=float("nan")), ValueError, "lr"),
+        ("lr a string", dict(lr="fast"), TypeError, "lr must be a float"),
+        ("beta1 above 1", dict(beta1=1.5), ValueError, "beta1"),
+        ("step 0", dict(step=0), ValueError, "step"),
+        ("more than 64 directions", dict(basis=torch.zeros(65, 40), newton_scale=torch.zeros(65)), ValueError,
+         "at most 64"),
+    ]),
+]

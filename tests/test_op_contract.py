@@ -1,0 +1,89 @@
+"""The contract every op keeps, checked for each entry of ``_op_table.OPS``.
+
+Bad input raises a ``TypeError`` or ``ValueError`` that names the argument, with
+every input left bit for bit as it was: a non-tensor or a complex tensor where a
+tensor is expected, a tensor on another device, a buffer written in place that
+is not contiguous, requires grad or shares memory with another argument, and
+each op's own cases. Meta tensors give meta outputs of the real outputs' shapes,
+and ``torch.library.opcheck`` passes on both backends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import BACKENDS
+from _op_table import OPS
+
+import tritonopt
+
+
+def _cases(info) -> list:
+    """The generic bad inputs of an op, derived from its sample, then its own."""
+    sample = info.sample()
+    tensors = [name for name, value in sample.items() if isinstance(value, torch.Tensor)]
+    cases = []
+    for position, name in enumerate(tensors):
+        value = sample[name]
+        cases.append((f"{name} not a tensor", {name: value.tolist()}, TypeError, name))
+        cases.append((f"{name} complex", {name: value.to(torch.complex64)}, TypeError, name))
+        if position > 0:  # the first tensor is the one the others are compared with
+            cases.append((f"{name} on another device", {name: value.to("meta")}, ValueError, name))
+    for name in info.updated:
+        value = sample[name]
+        if value.dim() >= 2 and min(value.shape) > 1:
+            cases.append((f"{name} not contiguous", {name: value.mT.contiguous().mT}, ValueError, name))
+        if value.is_floating_point():
+            cases.append((f"{name} requires grad", {name: value.clone().requires_grad_()}, ValueError, name))
+        for other in tensors:
+            twin = sample[other]
+            if other != name and twin.shape == value.shape and twin.dtype == value.dtype:
+                cases.append((f"{name} is {other}", {other: "alias", name: "alias"}, ValueError, "share memory"))
+    return cases + list(info.bad)
+
+
+BAD_CASES = [
+    pytest.param(info, description, changes, exception, word, id=f"{info.name}-{description}")
+    for info in OPS
+    for description, changes, exception, word in _cases(info)
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("info, description, changes, exception, word", BAD_CASES)
+def test_bad_input_is_named_and_changes_nothing(backend, info, description, changes, exception, word):
+    call = info.sample()
+    if "alias" in changes.values():
+        shared = call[next(name for name in changes if name in info.updated)]
+        changes = {name: shared for name in changes}
+    call.update(changes)
+    before = {name: value.clone() for name, value in call.items()
+              if isinstance(value, torch.Tensor) and value.device.type != "meta"}
+    with tritonopt.use_backend(backend), pytest.raises(exception, match=word):
+        info.op(**call)
+    for name, value in before.items():
+        assert torch.equal(call[name].detach(), value), f"{name} changed"
+
+
+def _outputs(result) -> list:
+    if result is None:
+        return []
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+@pytest.mark.parametrize("info", OPS, ids=lambda info: info.name)
+def test_meta_inputs_give_meta_outputs_of_the_real_shapes(info):
+    real = _outputs(info.op(**info.sample()))
+    meta_call = {name: value.to("meta") if isinstance(value, torch.Tensor) else value
+                 for name, value in info.sample().items()}
+    fake = _outputs(info.op(**meta_call))
+    assert [t.shape for t in fake] == [t.shape for t in real]
+    assert [t.dtype for t in fake] == [t.dtype for t in real]
+    assert all(t.device.type == "meta" for t in fake)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("info", [info for info in OPS if info.op.custom_op is not None], ids=lambda info: info.name)
+def test_opcheck(backend, info):
+    with tritonopt.use_backend(backend):
+        torch.library.opcheck(info.op.custom_op, (), info.sample())
