@@ -145,6 +145,30 @@ def test_parameter_groups_with_equal_settings_are_one_group():
     assert torch.equal(out[0], out[1])
 
 
+def test_a_group_added_mid_run_joins_the_vector_with_zero_state():
+    model, loss_fn = make_problem(2)
+    params = list(model.parameters())
+    for p in params[2:]:
+        p.requires_grad_(False)
+    opt = FOSI(params[:2], lr=1e-2, k=3, warmup_steps=0, curvature_update_every=4, num_lanczos_iters=16,
+               curvature_loss_fn=loss_fn)
+    with tritonopt.use_backend("reference"):
+        train(model, opt, loss_fn, 2)
+        kept = {name: t.clone() for name, t in opt.state[params[0]].items()}
+        for p in params[2:]:
+            p.requires_grad_(True)
+        opt.add_param_group({"params": params[2:], "lr": 5e-3})
+        set_grads(model, loss_fn)
+        opt.step()
+        assert torch.equal(opt.state[params[2]]["eigenvectors"], torch.zeros_like(opt.state[params[2]]["eigenvectors"]))
+        assert not torch.equal(opt.state[params[0]]["exp_avg"], kept["exp_avg"])  # it stepped on
+        assert torch.equal(opt.state[params[0]]["eigenvectors"], kept["eigenvectors"])
+        train(model, opt, loss_fn, 2)  # the ESE before update 4 spans every parameter
+    v = basis_of(opt).double()
+    assert opt.ese_count == 2 and torch.allclose(v @ v.T, torch.eye(3, dtype=torch.float64), atol=1e-5)
+    assert v[:, -sum(p.numel() for p in params[2:]):].abs().max() > 0
+
+
 def test_weight_decay_and_groups_equal_adamw_before_curvature():
     model, loss_fn = make_problem(3)
     params = list(model.parameters())

@@ -374,18 +374,30 @@ class FOSI(PackedOptimizer):
         group = self.param_groups[-1]
         group.setdefault("initial_lr", group["lr"])
 
-    def _segments(self) -> list[FOSIHyper]:
+    def _group_settings(self) -> list[tuple]:
+        """Each group's hyperparameters, as the update reads them (compared to skip repeated checks)."""
+        return [(g["lr"], g["betas"], g["momentum"], g["eps"], g["weight_decay"], g["initial_lr"])
+                for g in self.param_groups]
+
+    def _check_settings(self) -> list[tuple]:
+        """The groups' settings, validated unless they are the ones the last step validated."""
+        settings = self._group_settings()
+        if settings != getattr(self, "_checked_settings", None):
+            for group in self.param_groups:
+                self._check_group(group)
+            self._checked_settings = settings
+        return settings
+
+    def _segments(self, settings: list[tuple], sizes: list[int]) -> list[FOSIHyper]:
         """Each group's slice of the vector with its hyperparameters (groups without trainable parameters skipped)."""
         segments, stop = [], 0
-        for group in self.param_groups:
-            size = sum(p.numel() for p in group["params"] if p.requires_grad)
+        for (lr, betas, momentum, eps, weight_decay, initial), size in zip(settings, sizes):
             if not size:
                 continue
             stop += size
-            lr, initial = group["lr"], group["initial_lr"]
             rho = lr / initial if initial > 0 else float(lr > 0)
-            beta1 = group["momentum"] if self.config.base == "heavy_ball" else group["betas"][0]
-            segments.append(FOSIHyper(stop, lr, beta1, group["betas"][1], group["eps"], group["weight_decay"], rho))
+            beta1 = momentum if self.config.base == "heavy_ball" else betas[0]
+            segments.append(FOSIHyper(stop, lr, beta1, betas[1], eps, weight_decay, rho))
         return segments
 
     # ------------------------------------------------------------------ layout and state
@@ -409,18 +421,20 @@ class FOSI(PackedOptimizer):
             raise ValueError(f"all FOSI parameters must be on one device, found {sorted(map(str, devices))}")
         layout = BlockLayout(params, sum(p.numel() for p in params))
         dtype = self._work_dtype(params)
-        stored = [bool(self.state[p]) for p in params]
-        if any(stored) and not all(stored):
-            raise RuntimeError("FOSI state exists for some parameters but not others")
-        rank = self.state[params[0]]["eigenvectors"].shape[0] if stored[0] else 0
+        # Parameters added since the last step (a new group) start with zero state, and with
+        # zero columns in V: the Newton step reaches them from the next ESE on.
+        stored = [p for p in params if "eigenvectors" in self.state[p]]
+        rank = self.state[stored[0]]["eigenvectors"].shape[0] if stored else 0
         buffers = bind_flat_state(self.state, layout, list(_BASE_STATE[self.config.base]), dtype)
         basis = torch.zeros((rank, layout.total), dtype=dtype, device=layout.device)
         for p, start, numel in zip(params, layout.offsets, layout.numels):
-            if stored[0]:
+            if "eigenvectors" in self.state[p]:
                 basis[:, start : start + numel].copy_(self.state[p]["eigenvectors"].reshape(rank, numel))
         flat = {name: buffer.view(-1) for name, buffer in buffers.items()}
         packed = PackedGroup(layout, {**flat, "basis": basis},
                              {"grad": layout.zeros(dtype).view(-1), "weights": layout.zeros(dtype).view(-1)})
+        packed.group_sizes = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in self.param_groups]
+        packed.weight_views = layout.views(packed.weights)
         self._packed[0] = packed
         self._bind_basis_views(packed)
         if self.g1_velocity is None or self.g1_velocity.shape[0] != rank:
@@ -685,13 +699,14 @@ class FOSI(PackedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         # Hyperparameters a user or a scheduler set since the last step: checked before anything changes.
-        for group in self.param_groups:
-            self._check_group(group)
+        settings = self._check_settings()
         params = self._trainable()
         if not self._grads_present(params):
             return loss
-        # What a refused first step must take back: the state it creates.
-        stateless, velocity_before = self._stateless_params(), self.g1_velocity
+        # What a refused first step must take back: the state it creates (a built packed group
+        # means every parameter has state).
+        stateless = [] if self._packed.get(0) is not None else self._stateless_params()
+        velocity_before = self.g1_velocity
         packed = self._ensure_packed()
         layout = packed.layout
         with nvtx_range("tritonopt/fosi/pack"):
@@ -703,7 +718,7 @@ class FOSI(PackedOptimizer):
         state_buffers = self._state_buffers(packed)
         if self._state_bound is None and state_buffers:
             checks.append(state_buffers[0].abs().amax())
-        values = torch.stack(checks).tolist()
+        values = [checks[0].item()] if len(checks) == 1 else torch.stack(checks).tolist()
         largest_grad = values[0]
         if not math.isfinite(largest_grad):
             self.g1_velocity = velocity_before
@@ -716,7 +731,7 @@ class FOSI(PackedOptimizer):
         if self.curvature_loss_fn is not None and self.config.curvature_due(self.step_count):
             refs = self._curvature_refs(packed)
             self._install(packed, self._estimate(self.curvature_loss_fn, packed))
-        segments = self._segments()
+        segments = self._segments(settings, packed.group_sizes)
         risky, state_bound, velocity_bound = self._update_bound(
             largest_grad, segments, layout.total, packed.basis.shape[0])
         with nvtx_range("tritonopt/fosi/pack"):
@@ -749,8 +764,7 @@ class FOSI(PackedOptimizer):
                 return loss
             state_bound = largest_state
         with nvtx_range("tritonopt/fosi/unpack"):
-            for p, value in zip(params, layout.views(packed.weights)):
-                p.copy_(value)
+            torch._foreach_copy_(params, packed.weight_views)
         self._state_bound, self.velocity_bound = state_bound, velocity_bound
         self.base_step += 1
         self.step_count += 1
