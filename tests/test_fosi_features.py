@@ -17,18 +17,21 @@ def basis_of(opt):
     return torch.cat([s["eigenvectors"].reshape(s["eigenvectors"].shape[0], -1) for s in opt.state.values()], dim=1)
 
 
-def dense_hessian(model, loss_fn):
-    """The float64 Hessian of ``loss_fn`` (a :class:`CrossEntropyOn`) w.r.t. the model's parameters."""
-    params = dict(model.named_parameters())
+def dense_hessian(module, loss_of_output, inputs):
+    """The float64 Hessian of ``loss_of_output(module(*inputs))`` w.r.t. the module's parameters, flattened
+    in order (scaled-dot-product attention on its math backend, which has a double backward)."""
+    params = dict(module.named_parameters())
 
     def loss_of(w):
         pieces, start = {}, 0
         for name, p in params.items():
             pieces[name] = w[start : start + p.numel()].view(p.shape)
             start += p.numel()
-        return torch.nn.functional.cross_entropy(torch.func.functional_call(model, pieces, (loss_fn.x,)), loss_fn.y)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            return loss_of_output(torch.func.functional_call(module, pieces, tuple(x.double() for x in inputs)))
 
-    return torch.autograd.functional.hessian(loss_of, flat(model).double())
+    flat_params = torch.cat([p.detach().reshape(-1) for p in params.values()]).double()
+    return torch.autograd.functional.hessian(loss_of, flat_params)
 
 
 def adam_oracle(g2, state, lr, beta1, beta2, eps, step):
@@ -71,7 +74,8 @@ def test_a_float64_model_keeps_float64_hessian_products():
     opt = FOSI(model.parameters(), k=3, l=1, num_lanczos_iters=n, ritz_rtol=0.0)
     with tritonopt.use_backend("reference"):
         opt.update_curvature(loss_fn)
-    truth = torch.linalg.eigvalsh(dense_hessian(model, loss_fn))
+    hessian = dense_hessian(model, lambda out: torch.nn.functional.cross_entropy(out, loss_fn.y), (loss_fn.x,))
+    truth = torch.linalg.eigvalsh(hessian)
     expected = torch.cat([truth[:1], truth[-3:]])
     # m = n: Lanczos spans the whole space, so the Ritz values are the eigenvalues up to
     # float64 rounding (float32 products would leave errors near 1e-7 of the largest).
@@ -296,18 +300,7 @@ def test_curvature_of_a_transformer_layer_with_scaled_dot_product_attention():
         assert opt.ese_count == 1 and opt.eigenvalues.numel() == 2
         opt.update_curvature(loss_fn)
 
-    params = dict(layer.named_parameters())
-
-    def loss_of(w):
-        pieces, start = {}, 0
-        for name, p in params.items():
-            pieces[name] = w[start : start + p.numel()].view(p.shape)
-            start += p.numel()
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            out = torch.func.functional_call(layer, pieces, (x.double(),))
-        return ((out - target.double()) ** 2).mean()
-
-    w = torch.cat([p.detach().reshape(-1) for p in params.values()]).double()
-    truth = torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss_of, w))
+    hessian = dense_hessian(layer, lambda out: ((out - target.double()) ** 2).mean(), (x,))
+    truth = torch.linalg.eigvalsh(hessian)
     # float32 Hessian products of a float32 model; the largest Ritz value converges first.
     assert float(opt.eigenvalues[-1]) == pytest.approx(float(truth[-1]), rel=1e-4)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.ops import gram_schmidt_coefficients, gram_schmidt_subtract
-from tritonopt.optim.lanczos import LanczosResult, default_breakdown_rtol, lanczos_loop
+from tritonopt.optim.lanczos import LanczosResult, check_lanczos_arguments, default_breakdown_rtol, lanczos_loop
 
 __all__ = ["column_split", "distributed_lanczos", "reconstruct_columns", "shard_size"]
 
@@ -73,12 +73,7 @@ def distributed_lanczos(
     Every rank must call it with the same ``n``, ``num_iters`` and ``seed``.
     Host synchronisations: one per iteration, as the single-process loop.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if isinstance(num_iters, bool) or not isinstance(num_iters, int) or num_iters < 1:
-        raise ValueError(f"num_iters must be an int >= 1, got {num_iters!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    check_lanczos_arguments(n, num_iters, dtype)
     comm = CountingCommunicator(group) if comm is None else comm
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     device = torch.device(device)

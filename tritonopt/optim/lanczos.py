@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tritonopt._validation import check_int
 from tritonopt.ops import gram_schmidt_project
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
@@ -43,6 +44,7 @@ HVP = Callable[[torch.Tensor], torch.Tensor]
 __all__ = [
     "LanczosResult",
     "RitzSelection",
+    "check_lanczos_arguments",
     "default_breakdown_rtol",
     "default_lanczos_iters",
     "extreme_ritz",
@@ -148,6 +150,14 @@ def lanczos_loop(
     return LanczosResult(basis[:steps], tridiag, steps, breakdown)
 
 
+def check_lanczos_arguments(n, num_iters, dtype) -> None:
+    """``n`` and ``num_iters`` ints >= 1, ``dtype`` float32 or float64 (the checks of every Lanczos entry)."""
+    check_int("n", n, low=1)
+    check_int("num_iters", num_iters, low=1)
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+
+
 def lanczos(
     hvp: HVP,
     n: int,
@@ -171,12 +181,7 @@ def lanczos(
         breakdown_rtol: stop when ``beta <= breakdown_rtol * ||H v||``
             (default ``1000 eps(dtype)``).
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if isinstance(num_iters, bool) or not isinstance(num_iters, int) or num_iters < 1:
-        raise ValueError(f"num_iters must be an int >= 1, got {num_iters!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    check_lanczos_arguments(n, num_iters, dtype)
     device = torch.device(device)
 
     def project(basis, h, rows):
