@@ -349,6 +349,7 @@ class FOSI(PackedOptimizer):
         self._newton_scale: Optional[torch.Tensor] = None  # on the parameters' device, derived
         self._scale_max = 0.0
         self._state_bound: Optional[float] = None  # bound on max|state_a|; None: measure it
+        self._checked_settings: Optional[list] = None  # the groups' settings the last step validated
         defaults = dict(lr=lr, betas=betas, momentum=momentum, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, on_nonfinite)
 
@@ -382,7 +383,7 @@ class FOSI(PackedOptimizer):
     def _check_settings(self) -> list[tuple]:
         """The groups' settings, validated unless they are the ones the last step validated."""
         settings = self._group_settings()
-        if settings != getattr(self, "_checked_settings", None):
+        if settings != self._checked_settings:
             for group in self.param_groups:
                 self._check_group(group)
             self._checked_settings = settings
