@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tritonopt-installed
 
-.PHONY: install test test-all demo experiments bench autotune clean
+.PHONY: install test test-all compile-check demo experiments bench autotune clean
 
 install: $(STAMP)
 
@@ -22,6 +22,13 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q -m "not gpu"
+
+# Compile every kernel for sm_90 (H100) at every config of its autotune space and
+# at ResNet-18 / BERT-base shapes, without a GPU; fails on a compile error, on
+# register spills or on shared memory over the H100 limit. The table:
+# $(PY) tests/test_sm90_compile.py --full
+compile-check: install
+	$(PY) -m pytest -q -p no:cacheprovider -m compile tests/test_sm90_compile.py
 
 demo: install
 	$(PY) perf/demo_digits.py

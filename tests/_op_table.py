@@ -11,7 +11,7 @@ joins every contract test by adding an entry here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ class OpInfo:
     sample: Callable[[], dict]  # a valid call: argument name -> value
     updated: tuple = ()  # the arguments written in place
     bad: list = field(default_factory=list)  # (description, changes to the sample, exception, word)
+    empty: Optional[Callable[[], dict]] = None  # a valid call with no elements to work on
 
     @property
     def name(self) -> str:
@@ -145,8 +146,13 @@ def _fosi_step():
                 base="adam", state_a=torch.zeros(n), state_b=torch.zeros(n), lr=0.01)
 
 
+def _with(sample: Callable[[], dict], **changes) -> Callable[[], dict]:
+    return lambda: {**sample(), **changes}
+
+
 OPS = [
-    OpInfo(ops.ef_topk, _ef_topk, updated=("error",), bad=[
+    OpInfo(ops.ef_topk, _ef_topk, updated=("error",), empty=_with(_ef_topk, grad=torch.zeros(0, 32),
+                                                                 error=torch.zeros(0, 32)), bad=[
         ("k zero", dict(k=0), ValueError, "k"),
         ("k above the block", dict(k=33), ValueError, "k"),
         ("k a float", dict(k=2.0), TypeError, "k"),
@@ -161,13 +167,15 @@ OPS = [
         ("block smaller than k", dict(block_size=1), ValueError, "block_size"),
         ("float indices", dict(indices=torch.zeros(2, 2)), TypeError, "indices"),
     ]),
-    OpInfo(ops.sparse_sp, _sparse_sp, bad=[
+    OpInfo(ops.sparse_sp, _sparse_sp, empty=_with(_sparse_sp, indices=torch.zeros(0, 3, 4, dtype=torch.int32),
+                                                values=torch.zeros(0, 3, 4), x=torch.zeros(0, 16)), bad=[
         ("int64 indices", dict(indices=torch.zeros(2, 3, 4, dtype=torch.int64)), TypeError, "indices"),
         ("float16 values", dict(values=torch.zeros(2, 3, 4, dtype=torch.float16)), TypeError, "values"),
         ("x with other blocks", dict(x=torch.zeros(3, 16)), ValueError, "x must"),
         ("x narrower than k", dict(x=torch.zeros(2, 3)), ValueError, "block_size"),
     ]),
-    OpInfo(ops.sparse_lcg, _sparse_lcg, bad=[
+    OpInfo(ops.sparse_lcg, _sparse_lcg, empty=_with(_sparse_lcg, indices=torch.zeros(2, 0, 4, dtype=torch.int32),
+                                                  values=torch.zeros(2, 0, 4), weights=torch.zeros(0)), bad=[
         ("a weight per row", dict(weights=torch.zeros(4)), ValueError, "weights"),
         ("block smaller than k", dict(block_size=3), ValueError, "block_size"),
         ("block_size a float", dict(block_size=16.0), TypeError, "block_size"),
@@ -183,7 +191,8 @@ OPS = [
         ("index past the block", dict(block_size=8), ValueError, "indices must lie"),
         ("block smaller than k", dict(block_size=3), ValueError, "block_size"),
     ]),
-    OpInfo(ops.lowrank_ef, _lowrank_ef, updated=("error",), bad=[
+    OpInfo(ops.lowrank_ef, _lowrank_ef, updated=("error",),
+           empty=_with(_lowrank_ef, grad=torch.zeros(0, 8), error=torch.zeros(0, 8)), bad=[
         ("3-D grad", dict(grad=torch.zeros(2, 6, 8), error=torch.zeros(2, 6, 8)), ValueError, "grad must be 1-D or 2-D"),
         ("q with other rows", dict(q=torch.zeros(7, 2)), ValueError, "q must be"),
         ("rank 0", dict(q=torch.zeros(8, 0)), ValueError, "q must be"),
@@ -193,7 +202,8 @@ OPS = [
         ("mixed dtypes", dict(p=torch.zeros(7, 2, dtype=torch.float64)), TypeError, "dtype"),
         ("other m", dict(ring_q=torch.zeros(2, 5, 2)), ValueError, "same m"),
     ]),
-    OpInfo(ops.kfac_factor_update, _kfac_factor_update, updated=("factor",), bad=[
+    OpInfo(ops.kfac_factor_update, _kfac_factor_update, updated=("factor",),
+           empty=_with(_kfac_factor_update, factor=torch.zeros(1, 1), x=torch.zeros(10, 0)), bad=[
         ("decay above 1", dict(decay=1.5), ValueError, "decay"),
         ("decay NaN", dict(decay=float("nan")), ValueError, "decay"),
         ("decay a string", dict(decay="0.5"), TypeError, "decay"),
@@ -215,7 +225,7 @@ OPS = [
         ("damping NaN", dict(damping=float("nan")), ValueError, "damping"),
         ("2-D eigenvalues", dict(dg=torch.ones(3, 1)), ValueError, "1-D"),
     ]),
-    OpInfo(ops.triu_pack, _triu_pack, bad=[
+    OpInfo(ops.triu_pack, _triu_pack, empty=lambda: dict(matrix=torch.zeros(0, 0)), bad=[
         ("not square", dict(matrix=torch.zeros(3, 4)), ValueError, "matrix"),
         ("integer target dtype", dict(dtype=torch.int32), TypeError, "dtype"),
     ]),
@@ -224,7 +234,7 @@ OPS = [
         ("dim a float", dict(dim=5.0), TypeError, "dim"),
         ("strided", dict(packed=torch.zeros(30)[::2]), ValueError, "packed"),
     ]),
-    OpInfo(ops.gram_schmidt_project, _gram_schmidt_project, bad=[
+    OpInfo(ops.gram_schmidt_project, _gram_schmidt_project, empty=_with(_gram_schmidt_project, num_rows=0), bad=[
         ("more rows than the basis", dict(num_rows=5), ValueError, "num_rows"),
         ("num_rows a float", dict(num_rows=1.0), TypeError, "num_rows"),
         ("no pass", dict(passes=0), ValueError, "passes"),
@@ -236,7 +246,8 @@ OPS = [
     OpInfo(ops.gram_schmidt_subtract, _gram_schmidt_subtract, bad=[
         ("more coefficients than rows", dict(coef=torch.zeros(5)), ValueError, "coef"),
     ]),
-    OpInfo(ops.fosi_step, _fosi_step, updated=("param", "state_a", "state_b"), bad=[
+    OpInfo(ops.fosi_step, _fosi_step, updated=("param", "state_a", "state_b"),
+           empty=_with(_fosi_step, basis=torch.zeros(0, 40), newton_scale=torch.zeros(0)), bad=[
         ("unknown base", dict(base="lion"), ValueError, "base must be one of"),
         ("Adam without its second moment", dict(state_b=None), ValueError, "state_b is required"),
         ("lr NaN", dict(lr=float("nan")), ValueError, "lr"),

@@ -161,6 +161,13 @@ OPTIMIZERS = [
         bad_group={"values_dtype": torch.float16},
     ),
     OptimizerInfo(
+        "SparseMFAC-bf16-error", ParamsRun,
+        build=_windowed(tritonopt.optim.SparseMFAC, lr=0.05, ngrads=3, damp=0.1, density=0.25, block_size=16,
+                        error_dtype=torch.bfloat16, momentum=0.5),
+        bad_hyperparameters=[(dict(error_dtype=torch.float16), "error_dtype")],
+        bad_group={"error_dtype": torch.float16},
+    ),
+    OptimizerInfo(
         "GGT", ParamsRun,
         build=_windowed(tritonopt.optim.GGT, lr=0.05, ngrads=3, eps=0.1, momentum=0.5),
         bad_hyperparameters=WINDOW_BAD + [(dict(eps=0.0), "eps")],

@@ -1,7 +1,10 @@
 """Test set-up: without a GPU, Triton kernels run on CPU tensors through the interpreter.
 
 TRITON_INTERPRET is read when Triton decorates a kernel, so it is set here,
-before any test module imports tritonopt.
+before any test module imports tritonopt. With a GPU the interpreter stays off
+and the Triton backend runs on CUDA tensors only: tests that force it go
+through :func:`backend_device` / :func:`run_on_backend`, which put their
+tensors where the backend runs.
 """
 
 import os
@@ -29,6 +32,51 @@ def triton_runs_here() -> bool:
     from tritonopt._runtime import HAS_TRITON, INTERPRETER
 
     return HAS_TRITON and (torch.cuda.is_available() or INTERPRETER)
+
+
+def backend_device(backend: str) -> torch.device:
+    """Where a test of ``backend`` puts its tensors: Triton on the GPU when there is one, else the CPU."""
+    if backend == "triton" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def run_on_backend(backend: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with ``backend`` forced, its tensor arguments on that backend's device.
+
+    CPU tensor arguments are moved, and copied back after the call (so in-place
+    updates reach the caller's tensors); tensor results come back on the CPU. On
+    a machine without a GPU nothing moves.
+    """
+    target = backend_device(backend)
+
+    def move(t):  # CPU tensors only: a test's meta or CUDA tensors stay where they are
+        return t.to(target) if t.device.type == "cpu" else t
+
+    moved_args = [_map_tensors(a, move) for a in args]
+    moved_kwargs = {k: _map_tensors(v, move) for k, v in kwargs.items()}
+    with tritonopt_use_backend(backend):
+        result = fn(*moved_args, **moved_kwargs)
+    with torch.no_grad():
+        for original, moved in zip(list(args) + list(kwargs.values()),
+                                   moved_args + list(moved_kwargs.values())):
+            if isinstance(original, torch.Tensor) and moved is not original:
+                original.copy_(moved)
+    return _map_tensors(result, lambda t: t.cpu())
+
+
+def tritonopt_use_backend(backend: str):
+    import tritonopt
+
+    return tritonopt.use_backend(backend)
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from conftest import backend_device, run_on_backend, triton_runs_here
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,8 +45,17 @@ def make_row_data(kind, shape, seed, dtype=torch.float32):
 
 
 def run(backend, grad, error, k):
-    with tritonopt.use_backend(backend):
-        return ef_topk(grad, error, k)
+    """ef_topk on ``backend`` (on the GPU for Triton where there is one); ``error`` updated in place."""
+    return run_on_backend(backend, ef_topk, grad, error, k)
+
+
+def run_kernel(grad, error, k, **launch):
+    """The Triton launcher called directly, on the device Triton runs on; ``error`` updated in place."""
+    target = backend_device("triton")
+    moved = error.to(target)
+    indices, values = ef_topk_triton(grad.to(target), moved, k, **launch)
+    error.copy_(moved)
+    return indices.cpu(), values.cpu()
 
 
 def canonical_bits(x):
@@ -131,6 +140,7 @@ def test_contract_holds(backend, num_blocks, block_size, k_fraction, grad_kind, 
 
 
 @needs_triton
+@pytest.mark.parametrize("kernel", ["resident", "streaming"])
 @given(
     num_blocks=st.integers(1, 3),
     tile_log2=st.integers(3, 6),
@@ -139,15 +149,17 @@ def test_contract_holds(backend, num_blocks, block_size, k_fraction, grad_kind, 
     kind=st.sampled_from(KINDS),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_tiled_kernel_matches_reference(num_blocks, tile_log2, tiles, k_fraction, kind, seed):
-    """Rows longer than one tile take the streaming kernel; force it with a small tile."""
+def test_tiled_kernels_match_reference(kernel, num_blocks, tile_log2, tiles, k_fraction, kind, seed):
+    """Rows longer than one tile take the resident-keys kernel, or past ``max_resident`` the
+    streaming kernel; force each with a small tile."""
     tile = 2**tile_log2
     block_size = int(tile * tiles)
     k = max(1, min(block_size, round(k_fraction * block_size)))
     grad = make_row_data(kind, (num_blocks, block_size), seed)
     error = make_row_data("ties", (num_blocks, block_size), seed + 3)
     error_triton, error_reference = error.clone(), error.clone()
-    idx_t, val_t = ef_topk_triton(grad, error_triton, k, max_tile=tile)
+    max_resident = 4 * tile if kernel == "resident" else tile
+    idx_t, val_t = run_kernel(grad, error_triton, k, max_tile=tile, max_resident=max_resident)
     idx_r, val_r = ef_topk_reference(grad, error_reference, k)
     assert torch.equal(idx_t, idx_r)
     assert torch.equal(val_t.view(torch.int32), val_r.view(torch.int32))
@@ -290,8 +302,8 @@ def test_error_requiring_grad_is_rejected():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
 def test_opcheck(backend, grad_dtype):
-    grad = make_row_data("normal", (3, 40), 5, grad_dtype)
-    error = make_row_data("ties", (3, 40), 6)
+    grad = make_row_data("normal", (3, 40), 5, grad_dtype).to(backend_device(backend))
+    error = make_row_data("ties", (3, 40), 6).to(backend_device(backend))
     with tritonopt.use_backend(backend):
         torch.library.opcheck(torch.ops.tritonopt.ef_topk.default, (grad, error, 4))
 
@@ -311,12 +323,12 @@ def test_densify_blocks_rejects_bad_input():
 
 
 @needs_triton
-@pytest.mark.parametrize("block_size, k", [(4096, 41), (10000, 100)])  # one tile; two tiles
+@pytest.mark.parametrize("block_size, k", [(4096, 41), (10000, 100)])  # row kernel; resident keys
 def test_larger_blocks_match_reference(block_size, k):
     grad = make_row_data("normal", (8, block_size), 1)
     error = make_row_data("ties", (8, block_size), 2)
     error_triton, error_reference = error.clone(), error.clone()
-    idx_t, val_t = ef_topk_triton(grad, error_triton, k)
+    idx_t, val_t = run_kernel(grad, error_triton, k)
     idx_r, val_r = ef_topk_reference(grad, error_reference, k)
     assert torch.equal(idx_t, idx_r) and torch.equal(val_t, val_r)
     assert torch.equal(error_triton, error_reference)

@@ -6,7 +6,7 @@ independent of the kernels and references under test.
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from conftest import backend_device, run_on_backend, triton_runs_here
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -80,8 +80,7 @@ def test_factor_update_matches_direct_computation(
     dim = in_dim + append_bias
     old = spd(dim, seed, condition=10, dtype=torch.float32)
     factor = old.clone()
-    with tritonopt.use_backend(backend):
-        kfac_factor_update(factor, x, decay, append_bias=append_bias, scale=scale)
+    run_on_backend(backend, kfac_factor_update, factor, x, decay, append_bias=append_bias, scale=scale)
     expected = direct_factor(old, x.float(), decay, append_bias, scale)
     # fp32 accumulation over n rows (GPU: tf32x3, any order).
     tol = 1e-5 * (expected.abs().max().item() + 1) * max(1, n) ** 0.5
@@ -100,8 +99,9 @@ def test_factor_update_triton_many_tiles(n, in_dim, append_bias, seed):
     dim = in_dim + append_bias
     old = torch.randn(dim, dim, generator=gen)
     old = old + old.T
-    ours, ref = old.clone(), old.clone()
-    kernels.kfac_factor_update_triton(ours, x, 0.7, append_bias, 0.5, block=16)
+    ours, ref = old.clone().to(backend_device("triton")), old.clone()
+    kernels.kfac_factor_update_triton(ours, x.to(ours.device), 0.7, append_bias, 0.5, block=16)
+    ours = ours.cpu()
     kernels.kfac_factor_update_reference(ref, x, 0.7, append_bias, 0.5)
     assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours, ours.T)
@@ -113,9 +113,8 @@ def test_factor_update_reads_only_the_upper_triangle(backend):
     upper = torch.triu(torch.randn(5, 5))
     a = upper + torch.triu(upper, 1).T
     b = upper + torch.tril(torch.full((5, 5), 1e30), -1)  # garbage below the diagonal
-    with tritonopt.use_backend(backend):
-        kfac_factor_update(a, x, 0.5)
-        kfac_factor_update(b, x, 0.5)
+    run_on_backend(backend, kfac_factor_update, a, x, 0.5)
+    run_on_backend(backend, kfac_factor_update, b, x, 0.5)
     assert torch.equal(a, b)
 
 
@@ -123,8 +122,7 @@ def test_factor_update_reads_only_the_upper_triangle(backend):
 def test_factor_update_with_zero_decay_ignores_the_old_factor(backend):
     x = torch.randn(9, 4)
     factor = torch.full((5, 5), float("nan"))
-    with tritonopt.use_backend(backend):
-        kfac_factor_update(factor, x, 0.0, append_bias=True)
+    run_on_backend(backend, kfac_factor_update, factor, x, 0.0, append_bias=True)
     xs = torch.cat([x, torch.ones(9, 1)], 1).double()
     assert torch.allclose(factor.double(), xs.T @ xs / 9, atol=1e-6)
 
@@ -133,8 +131,7 @@ def test_factor_update_with_zero_decay_ignores_the_old_factor(backend):
 def test_factor_update_decay_one_keeps_the_factor(backend):
     old = spd(6, 3, dtype=torch.float32)
     factor = old.clone()
-    with tritonopt.use_backend(backend):
-        kfac_factor_update(factor, torch.randn(4, 6), 1.0)
+    run_on_backend(backend, kfac_factor_update, factor, torch.randn(4, 6), 1.0)
     assert torch.equal(factor, old)
 
 
@@ -156,11 +153,11 @@ def test_precondition_equals_dense_kronecker_solve(backend, prediv, g_dim, a_dim
     grad = torch.randn(g_dim, a_dim, generator=torch.Generator().manual_seed(seed + 2))
     qa, da = eig32(a_factor)
     qg, dg = eig32(g_factor)
-    with tritonopt.use_backend(backend):
-        if prediv:
-            p = eigenbasis_precondition_prediv(grad, qa, qg, eigen_inv_denominator(dg, da, damping))
-        else:
-            p = eigenbasis_precondition(grad, qa, da, qg, dg, damping)
+    if prediv:
+        inv = run_on_backend(backend, eigen_inv_denominator, dg, da, damping)
+        p = run_on_backend(backend, eigenbasis_precondition_prediv, grad, qa, qg, inv)
+    else:
+        p = run_on_backend(backend, eigenbasis_precondition, grad, qa, da, qg, dg, damping)
     assert p.dtype == torch.float32 and p.shape == grad.shape
     expected = kron_solve(grad, a_factor, g_factor, damping)
     # fp32 eigh + fp32 products: error ~ eps32 * ||grad|| / damping (rotations are orthogonal).
@@ -179,9 +176,9 @@ def test_precondition_invariant_to_eigenvector_signs(backend):
     qg, dg = eig32(g_factor)
     flips_a = torch.where(torch.arange(7) % 2 == 0, -1.0, 1.0)
     flips_g = torch.where(torch.arange(5) % 3 == 0, -1.0, 1.0)
-    with tritonopt.use_backend(backend):
-        p1 = eigenbasis_precondition(grad, qa, da, qg, dg, 0.1)
-        p2 = eigenbasis_precondition(grad, (qa * flips_a).contiguous(), da, (qg * flips_g).contiguous(), dg, 0.1)
+    p1 = run_on_backend(backend, eigenbasis_precondition, grad, qa, da, qg, dg, 0.1)
+    p2 = run_on_backend(backend, eigenbasis_precondition, grad, (qa * flips_a).contiguous(), da,
+                        (qg * flips_g).contiguous(), dg, 0.1)
     assert torch.allclose(p1, p2, atol=1e-5)
 
 
@@ -209,7 +206,11 @@ def test_precondition_triton_matches_reference_many_tiles(prediv, shape):
         {"inv_denominator": kernels.eigen_inv_denominator_reference(dg, da, 0.05)}
         if prediv else {"da": da, "dg": dg, "damping": 0.05}
     )
-    ours = kernels.eigenbasis_precondition_triton(grad, qa, qg, block=16, **kwargs)
+    target = backend_device("triton")
+    ours = kernels.eigenbasis_precondition_triton(
+        grad.to(target), qa.to(target), qg.to(target), block=16, **{k: v.to(target) if isinstance(v, torch.Tensor)
+                                                                     else v for k, v in kwargs.items()}
+    ).cpu()
     ref = kernels.eigenbasis_precondition_reference(grad, qa, qg, **kwargs)
     assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
@@ -221,8 +222,7 @@ def test_precondition_low_precision_inputs_upcast(backend, dtype):
     grad = torch.randn(6, 8)
     qa, da = eig32(a_factor)
     qg, dg = eig32(g_factor)
-    with tritonopt.use_backend(backend):
-        p = eigenbasis_precondition(grad.to(dtype), qa.to(dtype), da, qg.to(dtype), dg, 0.1)
+    p = run_on_backend(backend, eigenbasis_precondition, grad.to(dtype), qa.to(dtype), da, qg.to(dtype), dg, 0.1)
     expected = kron_solve(grad, a_factor, g_factor, 0.1)
     # Half-precision eigenvectors: about 1e-2 relative.
     assert (p.double() - expected).norm() <= 3e-2 * expected.norm()
@@ -261,9 +261,8 @@ def test_plain_tf32_would_break_the_tolerance_tf32x3_keeps():
 def test_pack_unpack_round_trip(backend, dim, dtype, seed):
     m = torch.randn(dim, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
     m = torch.triu(m) + torch.triu(m, 1).T
-    with tritonopt.use_backend(backend):
-        packed = triu_pack(m)
-        back = triu_unpack(packed, dim)
+    packed = run_on_backend(backend, triu_pack, m)
+    back = run_on_backend(backend, triu_unpack, packed, dim)
     assert packed.shape == (dim * (dim + 1) // 2,) and packed.dtype == dtype
     assert torch.equal(back, m)
     rows, cols = torch.triu_indices(dim, dim)
@@ -273,9 +272,9 @@ def test_pack_unpack_round_trip(backend, dim, dtype, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pack_casts_and_scales(backend):
     m = torch.randn(13, 13)
-    with tritonopt.use_backend(backend):
-        packed = triu_pack(m.T, torch.float16, scale=0.5)  # non-contiguous input
-        back = triu_unpack(packed, 13, torch.float32, scale=4.0)
+    # A non-contiguous input (moving it to a GPU keeps its strides).
+    packed = run_on_backend(backend, triu_pack, m.T, torch.float16, scale=0.5)
+    back = run_on_backend(backend, triu_unpack, packed, 13, torch.float32, scale=4.0)
     rows, cols = torch.triu_indices(13, 13)
     assert packed.dtype == torch.float16
     assert torch.allclose(packed.float(), (m.T * 0.5)[rows, cols], rtol=1e-3)
@@ -285,12 +284,14 @@ def test_pack_casts_and_scales(backend):
 
 @needs_triton
 def test_pack_triton_matches_reference_bitwise():
+    # One rounded product and one cast per entry: the same bits on a GPU.
     m = torch.randn(45, 45)
+    target = backend_device("triton")
     for dtype in (torch.float32, torch.float16):
-        ours = kernels.triu_pack_triton(m, dtype, 0.3)
+        ours = kernels.triu_pack_triton(m.to(target), dtype, 0.3).cpu()
         ref = kernels.triu_pack_reference(m, dtype, 0.3)
         assert torch.equal(ours, ref)
-        assert torch.equal(kernels.triu_unpack_triton(ours, 45, torch.float32, 2.0),
+        assert torch.equal(kernels.triu_unpack_triton(ours.to(target), 45, torch.float32, 2.0).cpu(),
                            kernels.triu_unpack_reference(ours, 45, torch.float32, 2.0))
 
 
@@ -304,14 +305,17 @@ def test_opcheck(backend):
     qg, dg = eig32(g_factor)
     grad = torch.randn(3, 5)
     ops = torch.ops.tritonopt
+    target = backend_device(backend)
+    qa, da, qg, dg, grad, a_factor = (t.to(target) for t in (qa, da, qg, dg, grad, a_factor))
     with tritonopt.use_backend(backend):
         torch.library.opcheck(ops.kfac_factor_update,
-                              (spd(5, 3, dtype=torch.float32), torch.randn(7, 4), 0.9, True, 0.5, "tf32x3"))
+                              (spd(5, 3, dtype=torch.float32).to(target), torch.randn(7, 4, device=target), 0.9,
+                               True, 0.5, "tf32x3"))
         torch.library.opcheck(ops.eigenbasis_precondition, (grad, qa, da, qg, dg, 0.1, "tf32x3"))
         torch.library.opcheck(ops.eigenbasis_precondition_prediv,
                               (grad, qa, qg, eigen_inv_denominator(dg, da, 0.1), "ieee"))
         torch.library.opcheck(ops.triu_pack, (a_factor.float(), torch.float16, 1.0))
-        torch.library.opcheck(ops.triu_unpack, (torch.randn(15), 5, torch.float32, 0.25))
+        torch.library.opcheck(ops.triu_unpack, (torch.randn(15, device=target), 5, torch.float32, 0.25))
 
 
 # --------------------------------------------------------------------------- bad input

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from conftest import backend_device, run_on_backend, triton_runs_here
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -58,8 +58,7 @@ def test_projection_matches_dense_float64(backend, m, n, rows_fraction, passes, 
     basis = orthonormal_rows(m, n, seed, dtype)
     h = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(dtype)
     h_before = h.clone()
-    with tritonopt.use_backend(backend):
-        h_orth, coef, sq_norm = gram_schmidt_project(basis, h, rows, passes)
+    h_orth, coef, sq_norm = run_on_backend(backend, gram_schmidt_project, basis, h, rows, passes)
     expected, expected_coef = dense_projection(basis, h, rows)
     tol = 1e-12 if dtype == torch.float64 else 2e-5
     scale = max(1.0, float(h.double().norm()))
@@ -72,8 +71,7 @@ def test_projection_matches_dense_float64(backend, m, n, rows_fraction, passes, 
     if rows < m:
         poisoned = basis.clone()
         poisoned[rows:] = float("nan")
-        with tritonopt.use_backend(backend):
-            again, _, _ = gram_schmidt_project(poisoned, h, rows, passes)
+        again, _, _ = run_on_backend(backend, gram_schmidt_project, poisoned, h, rows, passes)
         assert torch.equal(again, h_orth)
 
 
@@ -92,14 +90,35 @@ def test_halves_triton_match_reference(m, n, rows_fraction, dtype, seed):
     h = torch.randn(n, generator=gen, dtype=dtype)
     out = {}
     for backend in ("triton", "reference"):
-        with tritonopt.use_backend(backend):
-            coef = gram_schmidt_coefficients(basis, h, rows)
-            out[backend] = (coef, *gram_schmidt_subtract(basis, h, coef))
+        coef = run_on_backend(backend, gram_schmidt_coefficients, basis, h, rows)
+        out[backend] = (coef, *run_on_backend(backend, gram_schmidt_subtract, basis, h, coef))
     rtol = 1e-12 if dtype == torch.float64 else 1e-5
     for a, b in zip(out["triton"], out["reference"]):
         # Sums of n products: tolerance relative to the sum of magnitudes (GPU reduction order).
         assert a.shape == b.shape
         assert torch.allclose(a, b, rtol=rtol, atol=rtol * math.sqrt(n) * 10 * max(1.0, float(b.abs().amax()) if b.numel() else 1.0))
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [1037, 2048])
+def test_padded_row_stride_gives_the_same_bits(n):
+    """A basis whose rows start every multiple of 16 elements (a [:, :n] view of a wider,
+    NaN-filled buffer, so its loads vectorise) gives the projection the contiguous basis gives."""
+    from tritonopt.kernels.lanczos import gram_schmidt_project_triton
+
+    target = backend_device("triton")
+    basis = orthonormal_rows(6, n, n, torch.float32)
+    h = torch.randn(n, generator=torch.Generator().manual_seed(n + 1))
+    padded = torch.full((6, -(-n // 16) * 16 + 16), float("nan"), device=target)[:, :n]
+    padded.copy_(basis)
+    got = [t.cpu() for t in gram_schmidt_project_triton(padded, h.to(target), 5, 2)]
+    expected, _ = dense_projection(basis, h, 5)
+    # The float32 bound of test_projection_matches_dense_float64.
+    assert (got[0].double() - expected).abs().max() <= 2e-5 * max(1.0, float(h.double().norm()))
+    if n % 16 == 0:  # both row strides are multiples of 16: the same compiled code, the same bits
+        contiguous = gram_schmidt_project_triton(basis.to(target), h.to(target), 5, 2)
+        for a, b in zip(got, contiguous):
+            assert torch.equal(a, b.cpu())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -109,9 +128,8 @@ def test_cgs2_restores_orthogonality_in_float32(backend):
     basis = orthonormal_rows(m, n, 3, torch.float32)
     h = (basis.double().T @ torch.linspace(1, 2, m, dtype=torch.float64) * 1e4).float()
     h += 1e-3 * torch.randn(n, generator=torch.Generator().manual_seed(4))
-    with tritonopt.use_backend(backend):
-        once, _, _ = gram_schmidt_project(basis, h, m, 1)
-        twice, _, _ = gram_schmidt_project(basis, h, m, 2)
+    once, _, _ = run_on_backend(backend, gram_schmidt_project, basis, h, m, 1)
+    twice, _, _ = run_on_backend(backend, gram_schmidt_project, basis, h, m, 2)
     cos_once = (basis.double() @ once.double()).abs().max() / once.double().norm()
     cos_twice = (basis.double() @ twice.double()).abs().max() / twice.double().norm()
     assert cos_twice < 1e-4
@@ -147,12 +165,13 @@ def test_subtract_rejects_long_coefficients():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(backend):
-    basis = orthonormal_rows(4, 300, 0, torch.float32)
-    h = torch.randn(300)
+    target = backend_device(backend)
+    basis = orthonormal_rows(4, 300, 0, torch.float32).to(target)
+    h = torch.randn(300, device=target)
     with tritonopt.use_backend(backend):
         torch.library.opcheck(torch.ops.tritonopt.gram_schmidt_project, (basis, h, 3, 2))
         torch.library.opcheck(torch.ops.tritonopt.gram_schmidt_coefficients, (basis, h, 3))
-        torch.library.opcheck(torch.ops.tritonopt.gram_schmidt_subtract, (basis, h, torch.randn(3)))
+        torch.library.opcheck(torch.ops.tritonopt.gram_schmidt_subtract, (basis, h, torch.randn(3, device=target)))
 
 
 # --------------------------------------------------------------------------- Lanczos

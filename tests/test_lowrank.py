@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from conftest import backend_device, run_on_backend, triton_runs_here
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +25,7 @@ def test_error_feedback_identity_and_orthogonality(backend, n, cols, rank, grad_
     error = 0.1 * torch.randn(n, cols, generator=gen)
     q = torch.randn(cols, rank, generator=gen)
     accumulator = error.double() + grad.double()
-    with tritonopt.use_backend(backend):
-        p, q_new = lowrank_ef(grad, error, q)
+    p, q_new = run_on_backend(backend, lowrank_ef, grad, error, q)
     assert p.shape == (n, rank) and q_new.shape == (cols, rank)
     scale = float(accumulator.abs().max()) + 1e-6
     torch.testing.assert_close(
@@ -49,10 +48,8 @@ def test_triton_matches_reference():
     grad, error = torch.randn(45, 70, generator=gen), torch.randn(45, 70, generator=gen)
     q = torch.randn(70, 4, generator=gen)
     error_t, error_r = error.clone(), error.clone()
-    with tritonopt.use_backend("triton"):
-        p_t, q_t = lowrank_ef(grad, error_t, q)
-    with tritonopt.use_backend("reference"):
-        p_r, q_r = lowrank_ef(grad, error_r, q)
+    p_t, q_t = run_on_backend("triton", lowrank_ef, grad, error_t, q)
+    p_r, q_r = run_on_backend("reference", lowrank_ef, grad, error_r, q)
     torch.testing.assert_close(p_t, p_r, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(q_t, q_r, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(error_t, error_r, rtol=1e-4, atol=1e-4)
@@ -62,8 +59,7 @@ def test_triton_matches_reference():
 def test_one_dimensional_tensors_pass_through(backend):
     grad = torch.randn(9)
     error = torch.zeros(9)
-    with tritonopt.use_backend(backend):
-        p, q = lowrank_ef(grad, error, torch.zeros(1, 3))
+    p, q = run_on_backend(backend, lowrank_ef, grad, error, torch.zeros(1, 3))
     assert torch.equal(p[:, 0], grad) and not bool(p[:, 1:].any())
     assert torch.equal(q, torch.tensor([[1.0, 0.0, 0.0]]))
     assert not bool(error.any())
@@ -75,8 +71,7 @@ def test_exactly_low_rank_input_is_reconstructed(backend):
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(20, 2, generator=gen) @ torch.randn(2, 30, generator=gen)
     error = torch.zeros(20, 30)
-    with tritonopt.use_backend(backend):
-        p, q = lowrank_ef(a, error, torch.randn(30, 3, generator=gen))
+    p, q = run_on_backend(backend, lowrank_ef, a, error, torch.randn(30, 3, generator=gen))
     torch.testing.assert_close(p @ q.T, a, rtol=1e-4, atol=1e-4)
     assert float(error.abs().max()) < 1e-4
 
@@ -130,9 +125,12 @@ def test_bad_input_is_rejected_before_anything_changes(grad, error, q, exception
 def test_opcheck(backend):
     gen = torch.Generator().manual_seed(0)
     args = (torch.randn(6, 5, generator=gen), torch.randn(6, 5, generator=gen), torch.randn(5, 2, generator=gen))
+    target = backend_device(backend)
+    args = tuple(t.to(target) for t in args)
+    one_dimensional = tuple(t.to(target) for t in (torch.randn(4), torch.zeros(4), torch.zeros(1, 2)))
     with tritonopt.use_backend(backend):
         torch.library.opcheck(torch.ops.tritonopt.lowrank_ef.default, args)
-        torch.library.opcheck(torch.ops.tritonopt.lowrank_ef.default, (torch.randn(4), torch.zeros(4), torch.zeros(1, 2)))
+        torch.library.opcheck(torch.ops.tritonopt.lowrank_ef.default, one_dimensional)
 
 
 @pytest.mark.gpu
@@ -159,8 +157,7 @@ def test_p_is_the_orthonormalised_projection_of_the_warm_start(backend):
     a = error.double() + grad.double()
     basis, r = torch.linalg.qr(a @ q.double())
     basis = basis * torch.sign(torch.diagonal(r))
-    with tritonopt.use_backend(backend):
-        p, q_new = lowrank_ef(grad, error, q)
+    p, q_new = run_on_backend(backend, lowrank_ef, grad, error, q)
     torch.testing.assert_close(p.double(), basis, rtol=0, atol=1e-5)
     torch.testing.assert_close(q_new.double(), a.T @ basis, rtol=0, atol=1e-4)
     torch.testing.assert_close(error.double(), a - basis @ (a.T @ basis).T, rtol=0, atol=1e-4)
@@ -172,17 +169,16 @@ def test_a_zero_column_keeps_the_warm_start(backend):
     # start there, or those columns stay zero in every later iteration.
     gen = torch.Generator().manual_seed(8)
     q0 = torch.randn(9, 3, generator=gen)
-    with tritonopt.use_backend(backend):
-        p, q1 = lowrank_ef(torch.zeros(10, 9), torch.zeros(10, 9), q0)
-        assert not bool(p.any())
-        assert torch.equal(q1, q0)
-        rank_one = torch.outer(torch.randn(10, generator=gen), torch.randn(9, generator=gen))
-        error = torch.zeros(10, 9)
-        p, q2 = lowrank_ef(rank_one, error, q1)
-        torch.testing.assert_close(p @ q2.T + error, rank_one, rtol=0, atol=1e-5)
-        assert torch.equal(p[:, 1:], torch.zeros(10, 2))
-        assert torch.equal(q2[:, 1:], q0[:, 1:])
-        p, _ = lowrank_ef(torch.randn(10, 9, generator=gen), torch.zeros(10, 9), q2)
+    p, q1 = run_on_backend(backend, lowrank_ef, torch.zeros(10, 9), torch.zeros(10, 9), q0)
+    assert not bool(p.any())
+    assert torch.equal(q1, q0)
+    rank_one = torch.outer(torch.randn(10, generator=gen), torch.randn(9, generator=gen))
+    error = torch.zeros(10, 9)
+    p, q2 = run_on_backend(backend, lowrank_ef, rank_one, error, q1)
+    torch.testing.assert_close(p @ q2.T + error, rank_one, rtol=0, atol=1e-5)
+    assert torch.equal(p[:, 1:], torch.zeros(10, 2))
+    assert torch.equal(q2[:, 1:], q0[:, 1:])
+    p, _ = run_on_backend(backend, lowrank_ef, torch.randn(10, 9, generator=gen), torch.zeros(10, 9), q2)
     torch.testing.assert_close(p.T @ p, torch.eye(3), rtol=0, atol=1e-5)
 
 

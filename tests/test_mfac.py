@@ -468,3 +468,26 @@ def test_error_norm_ratio_is_what_compression_left_out():
     error = flat([opt.state[p]["error"] for p in params])
     assert opt.error_norm_ratios()[0] == pytest.approx(float(error.norm() / flat(grads).norm()), rel=1e-6)
     assert MFAC(params, track_error_norm=True).error_norm_ratios() == [None]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bfloat16_error_loses_only_the_rounding_of_each_residual(backend):
+    params = make_params(SHAPES)
+    opt = SparseMFAC(params, lr=0.05, ngrads=3, damp=0.1, density=0.25, block_size=16, error_dtype=torch.bfloat16)
+    exact = SparseMFAC(make_params(SHAPES), lr=0.05, ngrads=3, damp=0.1, density=0.25, block_size=16)
+    stream = gradient_stream(SHAPES, 4)
+    with tritonopt.use_backend(backend):
+        for grads in stream:
+            previous = flat([opt.state[p]["error"].float() for p in params]) if opt.state else torch.zeros(62)
+            set_grads(params, grads)
+            opt.step()
+            ring = opt.state[params[0]]
+            slot = (ring["ring_slot"] - 1) % 3
+            stored = densify_ring(ring["ring_indices"], ring["ring_values"], 16)[slot][:62]
+            error = flat([opt.state[p]["error"] for p in params])
+            assert error.dtype == torch.bfloat16
+            residual = previous + flat(grads) - stored  # what float32 storage would keep
+            assert torch.equal(error, residual.to(torch.bfloat16))  # rounded once, nothing else lost
+        set_grads(exact.param_groups[0]["params"], stream[0])
+        exact.step()
+    assert opt.state_bytes() == opt.expected_state_bytes() < exact.expected_state_bytes()

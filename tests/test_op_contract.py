@@ -27,6 +27,7 @@ def _cases(info) -> list:
         value = sample[name]
         cases.append((f"{name} not a tensor", {name: value.tolist()}, TypeError, name))
         cases.append((f"{name} complex", {name: value.to(torch.complex64)}, TypeError, name))
+        cases.append((f"{name} 0-d", {name: torch.tensor(1.0, dtype=value.dtype)}, (TypeError, ValueError), name))
         if position > 0:  # the first tensor is the one the others are compared with
             cases.append((f"{name} on another device", {name: value.to("meta")}, ValueError, name))
     for name in info.updated:
@@ -80,6 +81,19 @@ def test_meta_inputs_give_meta_outputs_of_the_real_shapes(info):
     assert [t.shape for t in fake] == [t.shape for t in real]
     assert [t.dtype for t in fake] == [t.dtype for t in real]
     assert all(t.device.type == "meta" for t in fake)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("info", [info for info in OPS if info.empty is not None], ids=lambda info: info.name)
+def test_an_empty_call_runs_and_returns_empty_or_unchanged_results(backend, info):
+    # A launch grid of zero programs, or a reduction over nothing, must not fail.
+    with tritonopt.use_backend("reference"):
+        expected = _outputs(info.op(**info.empty()))
+    with tritonopt.use_backend(backend):
+        got = _outputs(info.op(**info.empty()))
+    assert [t.shape for t in got] == [t.shape for t in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

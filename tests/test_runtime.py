@@ -1,4 +1,4 @@
-"""Backend choice, autotune collapse, NVTX ranges, and importing without a GPU or Triton."""
+"""Backend choice, autotune modes and pinned configs, NVTX ranges, importing without a GPU or Triton."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from conftest import run_on_backend, triton_runs_here
 
 import tritonopt
 from tritonopt import _runtime
@@ -123,26 +123,77 @@ def test_import_queries_no_device():
 
 
 @pytest.mark.skipif(not _runtime.HAS_TRITON, reason="needs Triton")
-def test_autotune_collapses_to_one_config_without_a_driver():
+def test_kernels_without_timed_autotuning_are_pinned():
     kernel = ef_topk_kernels._ef_topk_row_kernel
-    if _runtime.autotune_enabled():
-        assert len(kernel.configs) == len(ef_topk_kernels._ef_topk_configs())
-    else:
-        assert len(kernel.configs) == 1
-    assert "error_ptr" in kernel.restore_value  # the kernel updates error in place
+    space = _runtime.tuning_space(kernel)
+    assert len(space.configs) == len(ef_topk_kernels._ef_topk_configs())  # the whole space is declared
+    if _runtime.autotune_enabled():  # a GPU: Triton's autotuner times the configs
+        assert "error_ptr" in kernel.restore_value  # the kernel updates error in place
+    else:  # the interpreter has no driver to time with
+        assert isinstance(kernel, _runtime.PinnedKernel)
+
+
+@pytest.mark.skipif(not _runtime.HAS_TRITON, reason="needs Triton")
+def test_kernels_whose_reduction_order_depends_on_the_config_are_pinned():
+    from tritonopt.kernels import fosi_step, kfac, lanczos, lowrank, sparse_ring
+
+    for kernel in (sparse_ring._sparse_sp_kernel, lanczos._gs_coefficients_kernel, lanczos._gs_subtract_kernel,
+                   fosi_step._fosi_coefficients_kernel, fosi_step._fosi_base_kernel,
+                   fosi_step._fosi_project_out_kernel, kfac._factor_update_kernel, kfac._gemm_epilogue_kernel,
+                   lowrank._accumulate_project_kernel, lowrank._back_project_kernel, lowrank._residual_kernel):
+        assert _runtime.tuning_space(kernel).pinned, kernel
+        if _runtime.autotune_mode() != "all":
+            assert isinstance(kernel, _runtime.PinnedKernel), kernel
+
+
+@pytest.mark.skipif(not _runtime.HAS_TRITON, reason="needs Triton")
+def test_pinned_choice_is_the_first_launchable_config_of_the_key():
+    from tritonopt.kernels import fosi_step, kfac
+
+    space = _runtime.tuning_space(fosi_step._fosi_base_kernel)
+    # Wide ranks prune the wide tiles (they spill); the choice is a function of the key only.
+    small = space.choose({"n_bucket": 1 << 20, "BLOCK_R": 16, "BASE": 2})
+    large = space.choose({"n_bucket": 1 << 20, "BLOCK_R": 64, "BASE": 2})
+    assert small.kwargs["BLOCK_N"] * 16 <= 64 * 32 * small.num_warps
+    assert large.kwargs["BLOCK_N"] * 64 <= 64 * 32 * large.num_warps
+    assert large.kwargs["BLOCK_N"] < small.kwargs["BLOCK_N"]
+    assert space.choose({"n_bucket": 1 << 20, "BLOCK_R": 64, "BASE": 2}) is large
+    # No K-FAC config needs more shared memory than an H100 block may use.
+    for config in _runtime.tuning_space(kfac._factor_update_kernel).configs:
+        block, block_k = config.kwargs["BLOCK"], config.kwargs["BLOCK_K"]
+        assert 2 * block * block_k * 4 * config.num_stages <= 227 * 1024
+    with pytest.raises(ValueError, match="no config fits"):
+        _runtime.TuningSpace([], ["x"], ["x"], None, True).choose({"x": 1})
+
+
+@pytest.mark.skipif(not _runtime.HAS_TRITON, reason="needs Triton")
+def test_pinned_kernel_records_its_choice_per_key():
+    from tritonopt.kernels import lanczos
+
+    if not triton_runs_here():
+        pytest.skip("Triton cannot run here")
+    basis, h = torch.randn(3, 40), torch.randn(40)
+    run_on_backend("triton", tritonopt.ops.gram_schmidt_project, basis, h, 3)
+    kernel = lanczos._gs_coefficients_kernel
+    space = _runtime.tuning_space(kernel)
+    key = (64, 4)  # (cols_bucket, rows_bucket) of n = 40, 3 rows
+    recorded = {config for k, config in kernel.cache.items() if k[:2] == key}  # one entry per dtype
+    assert recorded == {space.choose(dict(zip(space.key, key)))}
 
 
 def test_autotune_switch_is_read_from_environment():
     result = run_python(
         """
         from tritonopt import _runtime
-        print(_runtime.autotune_enabled())
+        print(_runtime.autotune_enabled(), _runtime.autotune_mode())
         """,
         TRITONOPT_AUTOTUNE="0",
         TRITON_INTERPRET=None,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False"
+    assert result.stdout.strip() == "False off"
+    result = run_python("from tritonopt import _runtime; _runtime.autotune_mode()", TRITONOPT_AUTOTUNE="fastest")
+    assert result.returncode != 0 and "TRITONOPT_AUTOTUNE='fastest'" in result.stderr
 
 
 def test_nvtx_range_is_a_context_manager_with_or_without_nvtx():

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from conftest import backend_device, run_on_backend, triton_runs_here
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,9 +70,8 @@ def test_sp_and_lcg_match_the_dense_buffer(backend, case):
     x = torch.randn((num_blocks, block_size), generator=gen)
     w = torch.randn(m, generator=gen)
     dense = dense_oracle(indices, values, block_size)
-    with tritonopt.use_backend(backend):
-        products = sparse_sp(indices, values, x)
-        combination = sparse_lcg(indices, values, w, block_size)
+    products = run_on_backend(backend, sparse_sp, indices, values, x)
+    combination = run_on_backend(backend, sparse_lcg, indices, values, w, block_size)
     assert products.dtype == torch.float32 and products.shape == (m,)
     assert combination.dtype == torch.float32 and combination.shape == (num_blocks, block_size)
     torch.testing.assert_close(products.double(), dense @ x.double().view(-1), **tolerance(values))
@@ -83,8 +82,7 @@ def test_sp_and_lcg_match_the_dense_buffer(backend, case):
     assert not bool(products[filled:].any())
     w_unfilled = w.clone()
     w_unfilled[:filled] = 0
-    with tritonopt.use_backend(backend):
-        assert not bool(sparse_lcg(indices, values, w_unfilled, block_size).any())
+    assert not bool(run_on_backend(backend, sparse_lcg, indices, values, w_unfilled, block_size).any())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -95,16 +93,15 @@ def test_rows_from_ef_topk_with_a_padded_last_block(backend):
     indices = torch.zeros((num_blocks, m, k), dtype=torch.int32)
     values = torch.zeros((num_blocks, m, k))
     error = torch.zeros(num_blocks, block_size)
-    with tritonopt.use_backend(backend):
-        for slot in range(m + 2):  # wraps around
-            grad = torch.zeros(num_blocks * block_size)
-            grad[:50] = torch.randn(50, generator=gen)
-            idx, val = ef_topk(grad.view(num_blocks, block_size), error, k)
-            sparse_ring_insert(indices, values, slot % m, idx, val)
-        x = torch.randn((num_blocks, block_size), generator=gen)
-        w = torch.randn(m, generator=gen)
-        products = sparse_sp(indices, values, x)
-        combination = sparse_lcg(indices, values, w, block_size)
+    for slot in range(m + 2):  # wraps around
+        grad = torch.zeros(num_blocks * block_size)
+        grad[:50] = torch.randn(50, generator=gen)
+        idx, val = run_on_backend(backend, ef_topk, grad.view(num_blocks, block_size), error, k)
+        run_on_backend(backend, sparse_ring_insert, indices, values, slot % m, idx, val)
+    x = torch.randn((num_blocks, block_size), generator=gen)
+    w = torch.randn(m, generator=gen)
+    products = run_on_backend(backend, sparse_sp, indices, values, x)
+    combination = run_on_backend(backend, sparse_lcg, indices, values, w, block_size)
     dense = dense_oracle(indices, values, block_size)
     torch.testing.assert_close(products.double(), dense @ x.double().view(-1), **tolerance(values))
     torch.testing.assert_close(combination.double().view(-1), w.double() @ dense, **tolerance(values))
@@ -121,9 +118,8 @@ def test_edge_shapes(backend, num_blocks, m, k, block_size):
     x = torch.randn(num_blocks, block_size)
     w = torch.randn(m)
     dense = dense_oracle(indices, values, block_size)
-    with tritonopt.use_backend(backend):
-        products = sparse_sp(indices, values, x)
-        combination = sparse_lcg(indices, values, w, block_size)
+    products = run_on_backend(backend, sparse_sp, indices, values, x)
+    combination = run_on_backend(backend, sparse_lcg, indices, values, w, block_size)
     torch.testing.assert_close(products.double(), dense @ x.double().view(-1), **tolerance(values))
     torch.testing.assert_close(combination.double().view(-1), w.double() @ dense, **tolerance(values))
 
@@ -140,9 +136,8 @@ def test_k_longer_than_one_chunk():
     old = kernels.MAX_BLOCK_K, kernels.ZERO_TILE
     kernels.MAX_BLOCK_K = kernels.ZERO_TILE = 16
     try:
-        with tritonopt.use_backend("triton"):
-            products = sparse_sp(indices, values, x)
-            combination = sparse_lcg(indices, values, w, 48)
+        products = run_on_backend("triton", sparse_sp, indices, values, x)
+        combination = run_on_backend("triton", sparse_lcg, indices, values, w, 48)
     finally:
         kernels.MAX_BLOCK_K, kernels.ZERO_TILE = old
     torch.testing.assert_close(products.double(), dense @ x.double().view(-1), **tolerance(values))
@@ -153,20 +148,19 @@ def test_k_longer_than_one_chunk():
 def test_lcg_is_deterministic(backend):
     indices, values = random_ring(3, 6, 5, 12, filled=6, seed=5)
     w = torch.randn(6)
-    with tritonopt.use_backend(backend):
-        first = sparse_lcg(indices, values, w, 12)
-        second = sparse_lcg(indices, values, w, 12)
+    first = run_on_backend(backend, sparse_lcg, indices, values, w, 12)
+    second = run_on_backend(backend, sparse_lcg, indices, values, w, 12)
     assert torch.equal(first, second)
 
 
 @needs_triton
 def test_triton_lcg_adds_rows_in_slot_order_like_the_cpu_reference():
+    # Bitwise on a GPU too: the kernel is compiled without FMA contraction, so each
+    # step rounds w * v, then the sum, as the CPU reference's index_add_ does.
     indices, values = random_ring(2, 5, 4, 10, filled=5, seed=9)
     w = torch.randn(5)
-    with tritonopt.use_backend("triton"):
-        triton_out = sparse_lcg(indices, values, w, 10)
-    with tritonopt.use_backend("reference"):
-        reference_out = sparse_lcg(indices, values, w, 10)
+    triton_out = run_on_backend("triton", sparse_lcg, indices, values, w, 10)
+    reference_out = run_on_backend("reference", sparse_lcg, indices, values, w, 10)
     assert torch.equal(triton_out, reference_out)
 
 
@@ -177,8 +171,7 @@ def test_insert_replaces_exactly_one_row(backend, values_dtype):
     before_i, before_v = indices.clone(), values.clone()
     new_i = torch.tensor([[0, 5], [1, 2], [7, 3]], dtype=torch.int32)
     new_v = torch.randn(3, 2)
-    with tritonopt.use_backend(backend):
-        sparse_ring_insert(indices, values, 2, new_i, new_v)
+    run_on_backend(backend, sparse_ring_insert, indices, values, 2, new_i, new_v)
     others = [0, 1, 3]
     assert torch.equal(indices[:, others], before_i[:, others])
     assert torch.equal(values[:, others], before_v[:, others])
@@ -205,10 +198,9 @@ def test_insert_is_idempotent_and_tuning_does_not_copy_the_ring(backend):
     indices, values = random_ring(3, 4, 2, 8, filled=4, seed=6)
     new_i = torch.tensor([[0, 5], [1, 2], [7, 3]], dtype=torch.int32)
     new_v = torch.randn(3, 2)
-    with tritonopt.use_backend(backend):
-        sparse_ring_insert(indices, values, 1, new_i, new_v)
-        once_i, once_v = indices.clone(), values.clone()
-        sparse_ring_insert(indices, values, 1, new_i, new_v)
+    run_on_backend(backend, sparse_ring_insert, indices, values, 1, new_i, new_v)
+    once_i, once_v = indices.clone(), values.clone()
+    run_on_backend(backend, sparse_ring_insert, indices, values, 1, new_i, new_v)
     assert torch.equal(indices, once_i) and torch.equal(values, once_v)
 
 
@@ -279,12 +271,13 @@ def test_opcheck(backend):
     indices, values = random_ring(2, 3, 2, 6, filled=2, seed=1)
     x, w = torch.randn(2, 6), torch.randn(3)
     new_i = torch.tensor([[0, 4], [1, 5]], dtype=torch.int32)
+    indices, values, x, w, new_i = (t.to(backend_device(backend)) for t in (indices, values, x, w, new_i))
     with tritonopt.use_backend(backend):
         torch.library.opcheck(torch.ops.tritonopt.sparse_sp.default, (indices, values, x))
         torch.library.opcheck(torch.ops.tritonopt.sparse_lcg.default, (indices, values, w, 6))
         torch.library.opcheck(
             torch.ops.tritonopt.sparse_ring_insert.default,
-            (indices, values, 1, new_i, torch.randn(2, 2)),
+            (indices, values, 1, new_i, torch.randn(2, 2, device=new_i.device)),
         )
 
 

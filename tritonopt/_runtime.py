@@ -128,31 +128,140 @@ def use_backend(name: str) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- autotune
 
+# TRITONOPT_AUTOTUNE values: "1" (default) times the configs of kernels whose
+# result does not depend on the config and pins the others; "all" times every
+# kernel; "0" pins every kernel.
+_AUTOTUNE_MODES = {"1": "default", "true": "default", "on": "default", "default": "default",
+                   "all": "all", "0": "off", "false": "off", "off": "off"}
+
+
+def autotune_mode() -> str:
+    """``"default"``, ``"all"`` or ``"off"`` from ``TRITONOPT_AUTOTUNE`` (read at import of each kernel)."""
+    value = os.environ.get(_AUTOTUNE_ENV, "1").strip().lower()
+    if value not in _AUTOTUNE_MODES:
+        raise ValueError(f"{_AUTOTUNE_ENV}={value!r} is not a mode; use 1 (default), all or 0")
+    return _AUTOTUNE_MODES[value]
+
 
 def autotune_enabled() -> bool:
-    """Multi-config autotuning needs a GPU driver; the interpreter has none."""
-    return (
-        HAS_TRITON
-        and not INTERPRETER
-        and os.environ.get(_AUTOTUNE_ENV, "1").strip() not in ("0", "false", "off")
-    )
+    """Timing configs needs a GPU driver (the interpreter has none) and ``TRITONOPT_AUTOTUNE`` != 0."""
+    return HAS_TRITON and not INTERPRETER and autotune_mode() != "off"
+
+
+class TuningSpace:
+    """The configs a kernel may run with, and how one is picked for a launch.
+
+    ``configs`` is the declared space in order of preference. ``prune(configs,
+    key_args)`` (optional) drops the configs that do not fit a shape (they spill,
+    or need more shared memory than a GPU has); it sees only the autotune key's
+    arguments, so the configs left are a function of the key. ``pinned`` marks a
+    kernel whose floating-point reduction order depends on the config: it runs the
+    first launchable config of its key, never the fastest by timing, so two
+    processes given the same inputs compute the same bits.
+    """
+
+    def __init__(self, configs, key, arg_names, prune, pinned):
+        self.configs = tuple(configs)
+        self.key = tuple(key)
+        self.arg_names = tuple(arg_names)
+        self.prune = prune
+        self.pinned = pinned
+
+    def key_arguments(self, args: Sequence, kwargs: dict) -> dict:
+        named = {**dict(zip(self.arg_names, args)), **kwargs}
+        return {name: named[name] for name in self.key}
+
+    def launchable(self, key_args: dict) -> list:
+        configs = list(self.configs)
+        if self.prune is not None:
+            configs = list(self.prune(configs, dict(key_args)))
+        if not configs:
+            raise ValueError(f"no config fits the key {key_args}")
+        return configs
+
+    def choose(self, key_args: dict):
+        """The config a launch runs with when configs are not timed: the first launchable one."""
+        return self.launchable(key_args)[0]
+
+
+def tuning_space(kernel) -> TuningSpace | None:
+    """The :class:`TuningSpace` of a kernel decorated with :func:`autotune` (None for a plain kernel)."""
+    return getattr(kernel, "tuning_space", None)
+
+
+if HAS_TRITON:
+    from triton.runtime.jit import KernelInterface as _KernelInterface
+else:  # pragma: no cover - no kernels are built without Triton
+    _KernelInterface = object
+
+
+class PinnedKernel(_KernelInterface):
+    """A kernel that runs, for each key, the config :meth:`TuningSpace.choose` names.
+
+    ``cache`` maps each key met (the key's values, then the dtypes of the tensor
+    arguments, as Triton's autotuner keys them) to the config it ran with, so the
+    choices can be recorded next to the timed ones.
+    """
+
+    def __init__(self, fn, space: TuningSpace):
+        self.fn = fn
+        self.tuning_space = space
+        self.configs = list(space.configs)
+        self.keys = list(space.key)
+        self.arg_names = list(space.arg_names)
+        self.cache: dict = {}
+
+    def run(self, *args, **kwargs):
+        key_args = self.tuning_space.key_arguments(args, kwargs)
+        named = {**dict(zip(self.arg_names, args)), **kwargs}
+        key = tuple(key_args.values()) + tuple(
+            str(v.dtype) for name, v in named.items() if name in self.arg_names and hasattr(v, "dtype")
+        )
+        config = self.cache.get(key)
+        if config is None:
+            config = self.cache[key] = self.tuning_space.choose(key_args)
+        return self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+
+def candidate_configs(kernel, key_args: dict) -> list:
+    """The configs a launch of ``kernel`` at these key values may run with (one when pinned).
+
+    Launchers size buffers that depend on the config (per-program partial sums) from it.
+    """
+    space = tuning_space(kernel)
+    if isinstance(kernel, PinnedKernel):
+        return [space.choose(key_args)]
+    return space.launchable(key_args)
 
 
 def autotune(
     configs: Callable[[], Sequence["triton.Config"]],
     key: Sequence[str],
     *,
+    prune: Callable[[list, dict], list] | None = None,
+    pinned: bool = False,
     restore_value: Sequence[str] = (),
     reset_to_zero: Sequence[str] = (),
 ) -> Callable:
-    """``triton.autotune`` with tritonopt's rules.
+    """Decorate a kernel with a config space, following tritonopt's rules.
 
     ``configs`` is a function so nothing Triton-specific runs where Triton is
     missing. Keys should name power-of-two buckets (constexpr block sizes or
     explicit ``*_bucket`` arguments) so new shapes rarely trigger a re-tune.
-    Kernels that update a buffer in place must list it in ``restore_value``
-    (each candidate config runs the kernel once). Under the interpreter or with
-    ``TRITONOPT_AUTOTUNE=0`` (read at import) only the first config is kept.
+    ``prune`` drops the configs unfit for a key (see :class:`TuningSpace`).
+
+    ``pinned=True`` declares that the kernel's floating-point reduction order
+    depends on the config: the kernel then runs the first launchable config of
+    each key (:class:`PinnedKernel`) instead of the fastest one by timing, which
+    would be chosen anew in every process. Kernels whose result is the same bits
+    under every config (integer reductions, one writer per element) are timed by
+    Triton's autotuner on a GPU; those that update a buffer in place must list it
+    in ``restore_value`` (each candidate config runs the kernel once).
+
+    ``TRITONOPT_AUTOTUNE=0`` pins every kernel, ``all`` times every kernel
+    (pinned ones too: faster, but reproducible across processes only while
+    Triton's on-disk autotune cache, ``TRITON_CACHE_AUTOTUNING=1``, is kept).
+    Under the interpreter every kernel is pinned.
     """
 
     def decorate(kernel):
@@ -161,14 +270,23 @@ def autotune(
         candidates = list(configs())
         if not candidates:
             raise ValueError("autotune needs at least one config")
-        if not autotune_enabled():
-            candidates = candidates[:1]
-        return triton.autotune(
+        space = TuningSpace(candidates, key, kernel.arg_names, prune, pinned)
+        timed = autotune_enabled() and (autotune_mode() == "all" or not pinned)
+        if not timed or len(candidates) == 1:
+            return PinnedKernel(kernel, space)
+
+        def early_config_prune(configs_, named_args, **kwargs):
+            return space.launchable(space.key_arguments((), {**named_args, **kwargs}))
+
+        tuner = triton.autotune(
             configs=candidates,
             key=list(key),
+            prune_configs_by={"early_config_prune": early_config_prune},
             restore_value=list(restore_value),
             reset_to_zero=list(reset_to_zero),
         )(kernel)
+        tuner.tuning_space = space
+        return tuner
 
     return decorate
 

@@ -18,14 +18,18 @@ int32, which is monotone in the magnitude for non-negative floats (``-0.0`` and
 early as the budget ``k`` allows and appear in ``val``.
 
 GPU design. One program owns one row. The k-th largest key ``tau`` is found by
-bisection on the integer key range (about 30 counting passes over the row, kept
-in registers when the row fits in one tile); then every entry with key > tau is
-selected, plus the first ``k - count(key > tau)`` entries equal to tau in index
-order (a prefix sum), and an exclusive prefix sum over the selection mask gives
-each selected entry its output slot, which keeps ``idx`` ascending and the
-result deterministic. Rows longer than one tile stream through tiles: the first
-pass writes ``a`` into ``error``, the counting passes re-read it (L2-resident),
-and the final pass carries prefix counts across tiles. ``tl.topk``/``tl.sort``
+bisection on the integer key range (about 30 counting passes over the keys);
+then every entry with key > tau is selected, plus the first
+``k - count(key > tau)`` entries equal to tau in index order (a prefix sum), and
+an exclusive prefix sum over the selection mask gives each selected entry its
+output slot, which keeps ``idx`` ascending. Every reduction counts integers, so
+the result is the same bits under every launch config. Three kernels by row
+length: up to ``MAX_TILE`` the whole row (values and keys) stays in registers;
+up to ``MAX_RESIDENT`` (SparseMFAC's default 16384) only the keys do: the first
+pass writes ``a`` into ``error``, the bisection runs on the registers, and a
+final pass re-reads ``a`` tile by tile to select (two reads of the row); longer
+rows stream through tiles, re-reading ``a`` (L2-resident) at every bisection
+step. The final pass carries prefix counts across tiles. ``tl.topk``/``tl.sort``
 are avoided: they are slow on large blocks and need power-of-two ``k``.
 """
 
@@ -37,15 +41,44 @@ import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
 
-# Largest row that stays in registers in one tile; longer rows are tiled.
+# Largest row kept whole in registers (values and keys) by the row kernel.
 MAX_TILE = 8192
+# Largest row whose keys stay in registers through the bisection (the resident
+# kernel); its values are re-read once, tile by tile, for the selection.
+MAX_RESIDENT = 16384
+# Tile of the resident kernel's final pass and of the streaming kernel: small,
+# so that the scans of the final pass add few registers to what is live.
+PASS_TILE = 2048
 # int32 bit pattern of +inf; NaN is ranked one above it.
 _INF_KEY = 0x7F800000
 _NAN_KEY = _INF_KEY + 1
+# Register tensors wider than this many 32-bit elements per thread (per live
+# row-sized tensor) spill on sm_90: the row kernel keeps about four of them
+# live (a, key, and the scans), the resident kernel one (key) in its loop.
+_ROW_ELEMENTS_PER_THREAD = 32
+_RESIDENT_KEYS_PER_THREAD = 64
 
 
 def _ef_topk_configs():
     return [triton.Config({}, num_warps=w) for w in (8, 4, 16)]
+
+
+def _resident_configs():
+    return [triton.Config({}, num_warps=w) for w in (16, 8)]
+
+
+def _streaming_configs():
+    # 16 warps leave a PASS_TILE of 4 elements per thread and spill on sm_90.
+    return [triton.Config({}, num_warps=w) for w in (8, 4)]
+
+
+def _fits_per_thread(block_name: str, limit: int):
+    """Prune: keep the configs whose threads hold at most ``limit`` elements of a ``block_name`` row."""
+
+    def prune(configs, key_args):
+        return [c for c in configs if key_args[block_name] <= limit * 32 * c.num_warps]
+
+    return prune
 
 
 @jit
@@ -54,7 +87,57 @@ def _magnitude_key(a):
     return tl.where(a != a, 0x7F800001, key)
 
 
-@autotune(_ef_topk_configs, key=["BLOCK", "rows_bucket"], restore_value=["error_ptr"])
+@jit
+def _kth_largest_key(key, k):
+    """``(tau, count(key > tau))`` with ``tau`` the k-th largest of ``key`` (entries < 0 are padding).
+
+    Bisection on the integer key range under the invariant
+    ``count(key >= lo) >= k > count(key >= hi) = n_above_hi``; integer counts
+    make the result independent of the reduction order.
+    """
+    hi = tl.max(key, axis=0) + 1
+    lo = hi * 0
+    n_above_hi = hi * 0
+    while lo + 1 < hi:
+        mid = lo + (hi - lo) // 2
+        count = tl.sum((key >= mid).to(tl.int32), axis=0)
+        enough = count >= k
+        lo = tl.where(enough, mid, lo)
+        n_above_hi = tl.where(enough, n_above_hi, count)
+        hi = tl.where(enough, hi, mid)
+    return lo, n_above_hi
+
+
+@jit
+def _select_tiles(error_ptr, idx_ptr, val_ptr, row, base, block_size, k, tau, ties_wanted,
+                  TILE: tl.constexpr, NUM_TILES: tl.constexpr):
+    """Final pass over ``a`` (held in ``error``): select, compact, clear the selected entries.
+
+    Entries with key > tau are selected, plus the first ``ties_wanted`` equal to
+    tau in index order; running counts carry the prefix sums across tiles.
+    """
+    lanes = tl.arange(0, TILE)
+    ties_before = tau * 0
+    selected_before = tau * 0
+    for t in range(NUM_TILES):
+        offs = t * TILE + lanes
+        in_row = offs < block_size
+        a = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
+        key = tl.where(in_row, _magnitude_key(a), -1)
+        at_tau = key == tau
+        rank_at_tau = ties_before + tl.cumsum(at_tau.to(tl.int32), axis=0)
+        selected = (key > tau) | (at_tau & (rank_at_tau <= ties_wanted))
+        slot = selected_before + tl.cumsum(selected.to(tl.int32), axis=0) - 1
+        out = row * k + slot
+        tl.store(idx_ptr + out, offs, mask=selected)
+        tl.store(val_ptr + out, a, mask=selected)
+        tl.store(error_ptr + base + offs, tl.where(selected, 0.0, a), mask=in_row)
+        ties_before += tl.sum(at_tau.to(tl.int32), axis=0)
+        selected_before += tl.sum(selected.to(tl.int32), axis=0)
+
+
+@autotune(_ef_topk_configs, key=["BLOCK", "rows_bucket"], restore_value=["error_ptr"],
+          prune=_fits_per_thread("BLOCK", _ROW_ELEMENTS_PER_THREAD))
 @jit
 def _ef_topk_row_kernel(
     grad_ptr,  # [num_blocks, block_size] fp32/fp16/bf16, contiguous
@@ -74,23 +157,11 @@ def _ef_topk_row_kernel(
     e = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
     a = e + g
     key = tl.where(in_row, _magnitude_key(a), -1)
-
-    # Invariant: count(key >= lo) >= k > count(key >= hi) = n_above_hi.
-    hi = tl.max(key, axis=0) + 1
-    lo = hi * 0
-    n_above_hi = hi * 0
-    while lo + 1 < hi:
-        mid = lo + (hi - lo) // 2
-        count = tl.sum((key >= mid).to(tl.int32), axis=0)
-        enough = count >= k
-        lo = tl.where(enough, mid, lo)
-        n_above_hi = tl.where(enough, n_above_hi, count)
-        hi = tl.where(enough, hi, mid)
-    tau = lo
+    tau, n_above_tau = _kth_largest_key(key, k)
 
     at_tau = key == tau
     rank_at_tau = tl.cumsum(at_tau.to(tl.int32), axis=0)
-    selected = (key > tau) | (at_tau & (rank_at_tau <= k - n_above_hi))
+    selected = (key > tau) | (at_tau & (rank_at_tau <= k - n_above_tau))
     slot = tl.cumsum(selected.to(tl.int32), axis=0) - 1
     out = row * k + slot
     tl.store(idx_ptr + out, offs, mask=selected)
@@ -98,19 +169,52 @@ def _ef_topk_row_kernel(
     tl.store(error_ptr + base + offs, tl.where(selected, 0.0, a), mask=in_row)
 
 
-@autotune(_ef_topk_configs, key=["TILE", "NUM_TILES", "rows_bucket"], restore_value=["error_ptr"])
+@autotune(_resident_configs, key=["BLOCK", "TILE", "rows_bucket"], restore_value=["error_ptr"],
+          prune=_fits_per_thread("BLOCK", _RESIDENT_KEYS_PER_THREAD))
+@jit
+def _ef_topk_resident_kernel(
+    grad_ptr,  # [num_blocks, block_size] fp32/fp16/bf16, contiguous
+    error_ptr,  # [num_blocks, block_size] fp32, updated in place (holds `a` mid-kernel)
+    idx_ptr,  # [num_blocks, k] int32, output
+    val_ptr,  # [num_blocks, k] fp32, output
+    block_size,  # row length
+    k,  # entries kept per row
+    rows_bucket,  # autotune key only
+    BLOCK: tl.constexpr,  # next power of two >= block_size: the register-resident keys
+    TILE: tl.constexpr,  # elements per tile of the final pass (power of two)
+    NUM_TILES: tl.constexpr,  # cdiv(block_size, TILE)
+):
+    # Reads the row twice: once to form `a` (kept as keys only), once to select.
+    row = tl.program_id(0).to(tl.int64)
+    base = row * block_size
+    offs = tl.arange(0, BLOCK)
+    in_row = offs < block_size
+    g = tl.load(grad_ptr + base + offs, mask=in_row, other=0.0).to(tl.float32)
+    e = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
+    a = e + g
+    tl.store(error_ptr + base + offs, a, mask=in_row)
+    key = tl.where(in_row, _magnitude_key(a), -1)
+    tau, n_above_tau = _kth_largest_key(key, k)
+    tl.debug_barrier()  # make `a` visible to every thread of the program
+    _select_tiles(error_ptr, idx_ptr, val_ptr, row, base, block_size, k, tau, k - n_above_tau,
+                  TILE, NUM_TILES)
+
+
+@autotune(_streaming_configs, key=["TILE", "NUM_TILES", "rows_bucket"], restore_value=["error_ptr"],
+          prune=_fits_per_thread("TILE", _ROW_ELEMENTS_PER_THREAD))
 @jit
 def _ef_topk_tiled_kernel(
     grad_ptr,  # [num_blocks, block_size] fp32/fp16/bf16, contiguous
     error_ptr,  # [num_blocks, block_size] fp32, updated in place (holds `a` mid-kernel)
     idx_ptr,  # [num_blocks, k] int32, output
     val_ptr,  # [num_blocks, k] fp32, output
-    block_size,  # row length, > TILE
+    block_size,  # row length, > MAX_RESIDENT
     k,  # entries kept per row
     rows_bucket,  # autotune key only
     TILE: tl.constexpr,  # elements per tile (power of two)
     NUM_TILES: tl.constexpr,  # cdiv(block_size, TILE)
 ):
+    # Rows too long for resident keys: every bisection step re-reads the row (L2).
     row = tl.program_id(0).to(tl.int64)
     base = row * block_size
     lanes = tl.arange(0, TILE)
@@ -144,37 +248,21 @@ def _ef_topk_tiled_kernel(
         lo = tl.where(enough, mid, lo)
         n_above_hi = tl.where(enough, n_above_hi, count)
         hi = tl.where(enough, hi, mid)
-    tau = lo
-    ties_wanted = k - n_above_hi
-
-    # Final pass: select, compact, and clear the selected entries of error.
-    ties_before = tau * 0
-    selected_before = tau * 0
     tl.debug_barrier()
-    for t in range(NUM_TILES):
-        offs = t * TILE + lanes
-        in_row = offs < block_size
-        a = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
-        key = tl.where(in_row, _magnitude_key(a), -1)
-        at_tau = key == tau
-        rank_at_tau = ties_before + tl.cumsum(at_tau.to(tl.int32), axis=0)
-        selected = (key > tau) | (at_tau & (rank_at_tau <= ties_wanted))
-        slot = selected_before + tl.cumsum(selected.to(tl.int32), axis=0) - 1
-        out = row * k + slot
-        tl.store(idx_ptr + out, offs, mask=selected)
-        tl.store(val_ptr + out, a, mask=selected)
-        tl.store(error_ptr + base + offs, tl.where(selected, 0.0, a), mask=in_row)
-        ties_before += tl.sum(at_tau.to(tl.int32), axis=0)
-        selected_before += tl.sum(selected.to(tl.int32), axis=0)
+    _select_tiles(error_ptr, idx_ptr, val_ptr, row, base, block_size, k, lo, k - n_above_hi,
+                  TILE, NUM_TILES)
 
 
 def ef_topk_triton(
-    grad: torch.Tensor, error: torch.Tensor, k: int, *, max_tile: int = MAX_TILE
+    grad: torch.Tensor, error: torch.Tensor, k: int, *, max_tile: int = MAX_TILE,
+    max_resident: int = MAX_RESIDENT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton kernel. Arguments must already be validated (see ``tritonopt.ops``).
 
-    ``max_tile`` (a power of two) is the longest row kept in registers; longer
-    rows take the tiled kernel.
+    ``max_tile`` (a power of two) is the longest row kept whole in registers
+    (the row kernel) and caps the tile of the other two; rows up to ``max_resident``
+    keep their keys in registers (read twice), longer rows stream through tiles
+    (read once per bisection step).
     """
     num_blocks, block_size = grad.shape
     indices = torch.empty((num_blocks, k), dtype=torch.int32, device=grad.device)
@@ -182,17 +270,18 @@ def ef_topk_triton(
     if num_blocks == 0:
         return indices, values
     rows_bucket = next_power_of_2(num_blocks)
+    args = (grad, error, indices, values, block_size, k, rows_bucket)
     with torch.cuda.device(grad.device) if grad.is_cuda else contextlib.nullcontext():
         if block_size <= max_tile:
-            _ef_topk_row_kernel[(num_blocks,)](
-                grad, error, indices, values, block_size, k, rows_bucket,
-                BLOCK=next_power_of_2(block_size),
+            _ef_topk_row_kernel[(num_blocks,)](*args, BLOCK=next_power_of_2(block_size))
+        elif block_size <= max_resident:
+            tile = min(max_tile, PASS_TILE)
+            _ef_topk_resident_kernel[(num_blocks,)](
+                *args, BLOCK=next_power_of_2(block_size), TILE=tile, NUM_TILES=cdiv(block_size, tile),
             )
         else:
-            _ef_topk_tiled_kernel[(num_blocks,)](
-                grad, error, indices, values, block_size, k, rows_bucket,
-                TILE=max_tile, NUM_TILES=cdiv(block_size, max_tile),
-            )
+            tile = min(max_tile, PASS_TILE)
+            _ef_topk_tiled_kernel[(num_blocks,)](*args, TILE=tile, NUM_TILES=cdiv(block_size, tile))
     return indices, values
 
 

@@ -37,6 +37,14 @@ held in registers (``r <= 64``), runs the base optimizer on ``g2`` in registers,
 and writes the per-program partial of ``e``. Traffic ~ ``3 r n + 10 n`` words
 against ``~7 n`` for a plain Adam step. The small ``[r]`` algebra between the
 passes stays in torch on the device (no host synchronisation).
+
+The tile width ``BLOCK_N`` is pruned per ``BLOCK_R`` so that the basis tile
+stays in registers (at most 64 elements per thread); the partial sums depend
+on it, so the three kernels are pinned per key (the same bits in every
+process). Every program but the last masks its columns with a bound that is a
+multiple of ``BLOCK_N``, so the length-``n`` vectors are loaded with vector
+instructions for any ``n``; the rows of ``V`` are, when its row stride is a
+multiple of 16 elements (``V`` may be a ``[:, :n]`` view of a wider buffer).
 """
 
 from __future__ import annotations
@@ -46,43 +54,69 @@ import math
 
 import torch
 
-from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
+from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton, candidate_configs
 
 BASES = ("sgd", "heavy_ball", "adam")
 _BASE_CODE = {"sgd": 0, "heavy_ball": 1, "adam": 2}
 MAX_RANK = 64
-_MIN_BLOCK_N = 256
+# Elements of the [BLOCK_R, BLOCK_N] basis tile each thread may hold in
+# registers: beyond this the base kernel (tile, five [BLOCK_N] vectors and the
+# products) spills on sm_90.
+_TILE_ELEMENTS_PER_THREAD = 64
 
 
 def _fosi_configs():
+    # In order of preference: the widest tile whose basis slice fits in registers.
     return [
-        triton.Config({"BLOCK_N": 256}, num_warps=4),
-        triton.Config({"BLOCK_N": 512}, num_warps=4),
-        triton.Config({"BLOCK_N": 1024}, num_warps=8),
-        triton.Config({"BLOCK_N": 2048}, num_warps=8),
+        triton.Config({"BLOCK_N": bn}, num_warps=w)
+        for bn, w in ((2048, 8), (1024, 8), (512, 8), (512, 4), (256, 8), (256, 4), (128, 4), (64, 4))
     ]
 
 
-@autotune(_fosi_configs, key=["n_bucket", "BLOCK_R"], reset_to_zero=["partial_ptr"])
+def _fits_rank(configs, key_args):
+    """Prune: the configs whose basis tile stays within the register budget at this ``BLOCK_R``."""
+    budget = _TILE_ELEMENTS_PER_THREAD * 32
+    return [c for c in configs if key_args["BLOCK_R"] * c.kwargs["BLOCK_N"] <= budget * c.num_warps]
+
+
+def _smallest_block_n(kernel, **key_args) -> int:
+    """The narrowest tile ``kernel`` may run with at this key: sizes the partial buffers."""
+    return min(c.kwargs["BLOCK_N"] for c in candidate_configs(kernel, key_args))
+
+
+# The partial sums over each program's columns depend on BLOCK_N: pinned per key.
+@autotune(_fosi_configs, key=["n_bucket", "BLOCK_R"], prune=_fits_rank, pinned=True,
+          reset_to_zero=["partial_ptr"])
 @jit
 def _fosi_coefficients_kernel(
-    basis_ptr,  # [r, n]
+    basis_ptr,  # [r, n], row stride stride_v (>= n; a multiple of 16 keeps loads vectorised)
     vec_ptr,  # [n] (grad: any float dtype)
     partial_ptr,  # [max_programs, r] output
     n,
     r,
+    stride_v,
     n_bucket,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_cols = cols < n
+    if (pid + 1) * BLOCK_N <= n:  # interior: a bound known to be a multiple of BLOCK_N (vector loads)
+        _coefficients_tile(basis_ptr, vec_ptr, partial_ptr, pid, cols, (n // BLOCK_N) * BLOCK_N, r,
+                           stride_v, BLOCK_R)
+    else:
+        _coefficients_tile(basis_ptr, vec_ptr, partial_ptr, pid, cols, n, r, stride_v, BLOCK_R)
+
+
+@jit
+def _coefficients_tile(basis_ptr, vec_ptr, partial_ptr, pid, cols, col_bound, r, stride_v,
+                       BLOCK_R: tl.constexpr):
+    in_cols = cols < col_bound
     rows = tl.arange(0, BLOCK_R)
     in_rows = rows < r
     x = tl.load(vec_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
     tile = tl.load(
-        basis_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :],
+        basis_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :],
         mask=in_rows[:, None] & in_cols[None, :],
         other=0.0,
     )
@@ -92,6 +126,8 @@ def _fosi_coefficients_kernel(
 @autotune(
     _fosi_configs,
     key=["n_bucket", "BLOCK_R", "BASE"],
+    prune=_fits_rank,
+    pinned=True,
     restore_value=["param_ptr", "state_a_ptr", "state_b_ptr"],
     reset_to_zero=["partial_ptr"],
 )
@@ -99,7 +135,7 @@ def _fosi_coefficients_kernel(
 def _fosi_base_kernel(
     param_ptr,  # [n] fp32, updated: w += d1 + b u
     grad_ptr,  # [n]
-    basis_ptr,  # [r, n] fp32
+    basis_ptr,  # [r, n] fp32, row stride stride_v
     coef_ptr,  # [r] c = V g
     newton_ptr,  # [r] s * q (the Newton coefficients, sign not applied)
     state_a_ptr,  # [n] fp32: momentum / exp_avg (unused for sgd)
@@ -107,6 +143,7 @@ def _fosi_base_kernel(
     partial_ptr,  # [max_programs, r] output: partials of e = V u
     n,
     r,
+    stride_v,
     lr,
     beta1,
     beta2,
@@ -123,11 +160,25 @@ def _fosi_base_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_cols = cols < n
+    if (pid + 1) * BLOCK_N <= n:  # interior: a bound known to be a multiple of BLOCK_N (vector loads)
+        _base_tile(param_ptr, grad_ptr, basis_ptr, coef_ptr, newton_ptr, state_a_ptr, state_b_ptr,
+                   partial_ptr, pid, cols, (n // BLOCK_N) * BLOCK_N, r, stride_v, lr, beta1, beta2,
+                   one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt, eps, base_scale, BASE, BLOCK_R)
+    else:
+        _base_tile(param_ptr, grad_ptr, basis_ptr, coef_ptr, newton_ptr, state_a_ptr, state_b_ptr,
+                   partial_ptr, pid, cols, n, r, stride_v, lr, beta1, beta2,
+                   one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt, eps, base_scale, BASE, BLOCK_R)
+
+
+@jit
+def _base_tile(param_ptr, grad_ptr, basis_ptr, coef_ptr, newton_ptr, state_a_ptr, state_b_ptr, partial_ptr,
+               pid, cols, col_bound, r, stride_v, lr, beta1, beta2, one_minus_beta1, one_minus_beta2,
+               step_size, bc2_sqrt, eps, base_scale, BASE: tl.constexpr, BLOCK_R: tl.constexpr):
+    in_cols = cols < col_bound
     rows = tl.arange(0, BLOCK_R)
     in_rows = rows < r
     tile = tl.load(
-        basis_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :],
+        basis_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :],
         mask=in_rows[:, None] & in_cols[None, :],
         other=0.0,
     )
@@ -158,14 +209,16 @@ def _fosi_base_kernel(
     tl.store(param_ptr + cols, w + (newton_step + base_scale * u), mask=in_cols)
 
 
-@autotune(_fosi_configs, key=["n_bucket", "BLOCK_R"], restore_value=["param_ptr"])
+@autotune(_fosi_configs, key=["n_bucket", "BLOCK_R"], prune=_fits_rank, pinned=True,
+          restore_value=["param_ptr"])
 @jit
 def _fosi_project_out_kernel(
     param_ptr,  # [n] fp32, updated: w -= b V^T e
-    basis_ptr,  # [r, n]
+    basis_ptr,  # [r, n], row stride stride_v
     coef_ptr,  # [r] e = V u
     n,
     r,
+    stride_v,
     base_scale,
     n_bucket,
     BLOCK_R: tl.constexpr,
@@ -173,11 +226,21 @@ def _fosi_project_out_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_cols = cols < n
+    if (pid + 1) * BLOCK_N <= n:  # interior: a bound known to be a multiple of BLOCK_N (vector loads)
+        _project_out_tile(param_ptr, basis_ptr, coef_ptr, cols, (n // BLOCK_N) * BLOCK_N, r, stride_v,
+                          base_scale, BLOCK_R)
+    else:
+        _project_out_tile(param_ptr, basis_ptr, coef_ptr, cols, n, r, stride_v, base_scale, BLOCK_R)
+
+
+@jit
+def _project_out_tile(param_ptr, basis_ptr, coef_ptr, cols, col_bound, r, stride_v, base_scale,
+                      BLOCK_R: tl.constexpr):
+    in_cols = cols < col_bound
     rows = tl.arange(0, BLOCK_R)
     in_rows = rows < r
     tile = tl.load(
-        basis_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :],
+        basis_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :],
         mask=in_rows[:, None] & in_cols[None, :],
         other=0.0,
     )
@@ -223,14 +286,19 @@ def fosi_step_triton(
         return
     block_r = next_power_of_2(max(r, 1))
     n_bucket = next_power_of_2(n)
-    max_programs = cdiv(n, _MIN_BLOCK_N)
+    # Every config at this key covers n with at least this many programs.
+    max_programs = cdiv(n, min(
+        _smallest_block_n(_fosi_coefficients_kernel, n_bucket=n_bucket, BLOCK_R=block_r),
+        _smallest_block_n(_fosi_base_kernel, n_bucket=n_bucket, BLOCK_R=block_r, BASE=_BASE_CODE[base]),
+    ))
     grid = lambda meta: (cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step) if base == "adam" else (0.0, 1.0)
     dummy = param  # never read: the BASE constexpr prunes the loads
+    stride_v = basis.stride(0) if r > 0 else n
     with _device_guard(param):
         if r > 0:
             partial = torch.zeros((max_programs, r), dtype=torch.float32, device=param.device)
-            _fosi_coefficients_kernel[grid](basis, grad, partial, n, r, n_bucket, BLOCK_R=block_r)
+            _fosi_coefficients_kernel[grid](basis, grad, partial, n, r, stride_v, n_bucket, BLOCK_R=block_r)
             coef = partial.sum(dim=0)
             newton = newton_coefficients(coef, newton_scale, g1_velocity, g1_decay, g1_gain)
         else:
@@ -240,13 +308,14 @@ def fosi_step_triton(
             param, grad, basis if r > 0 else dummy, coef, newton,
             state_a if state_a is not None else dummy,
             state_b if state_b is not None else dummy,
-            partial_e, n, r, lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2,
+            partial_e, n, r, stride_v, lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2,
             step_size, bc2_sqrt, eps, base_scale, n_bucket,
             BASE=_BASE_CODE[base], BLOCK_R=block_r,
         )
         if r > 0:
             e = partial_e.sum(dim=0)
-            _fosi_project_out_kernel[grid](param, basis, e, n, r, base_scale, n_bucket, BLOCK_R=block_r)
+            _fosi_project_out_kernel[grid](param, basis, e, n, r, stride_v, base_scale, n_bucket,
+                                           BLOCK_R=block_r)
 
 
 # --------------------------------------------------------------------------- reference

@@ -76,14 +76,43 @@ def _device_guard(t: torch.Tensor):
 # --------------------------------------------------------------------------- factor update
 
 
+# What compiles without spills on sm_90 (Triton 3.6 and 3.9; tests/test_sm90_compile.py):
+# at most 32 accumulator elements per thread, and output tiles no larger than
+# these per precision ("tf32x3" holds the split big and small operand parts
+# beside the accumulator; "ieee" runs on the FMA units with its operands in
+# registers, and 128 x 64 spills there).
+_ACC_PER_THREAD = 32
+_MAX_TILE_ELEMENTS = {"tf32x3": 128 * 64, "tf32": 128 * 64, "ieee": 64 * 64}
+# Shared memory a block may use on an H100 (227 KB of the SM's 228 KB).
+_SHARED_LIMIT_BYTES = 227 * 1024
+
+
+def _tile_fits(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+               precision: str) -> bool:
+    """Registers and shared memory of one fp32 GEMM tile config on sm_90."""
+    threads = 32 * num_warps
+    staged = (block_m + block_n) * block_k * 4 * num_stages  # both operands, every stage
+    return (block_m * block_n <= min(_ACC_PER_THREAD * threads, _MAX_TILE_ELEMENTS[precision])
+            and staged <= _SHARED_LIMIT_BYTES)
+
+
 def _factor_configs():
+    # In order of preference (the first that fits a key runs: the reduction order
+    # over the rows of X depends on BLOCK_K and on the tile, so it is pinned).
+    # Measured on sm_90: 128-wide tiles and BLOCK_K = 64 spill at every precision.
     return [
         triton.Config({"BLOCK": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK": 32, "BLOCK_K": 32}, num_warps=2, num_stages=2),
     ]
+
+
+def _factor_prune(configs, key_args):
+    """Tiles that fit the precision's register budget and shared memory, no wider than the factor."""
+    precision = key_args["PRECISION"]
+    fit = [c for c in configs if _tile_fits(c.kwargs["BLOCK"], c.kwargs["BLOCK"], c.kwargs["BLOCK_K"],
+                                            c.num_warps, c.num_stages, precision)]
+    narrow = [c for c in fit if c.kwargs["BLOCK"] <= max(32, key_args["dim_bucket"])]
+    return narrow or fit[-1:]
 
 
 @jit
@@ -100,14 +129,16 @@ def _load_columns(x_ptr, rows, cols, n_rows, in_dim, stride_xn, stride_xd, HAS_B
     return tile
 
 
-@autotune(_factor_configs, key=["dim_bucket", "rows_bucket"], restore_value=["factor_ptr"])
+@autotune(_factor_configs, key=["dim_bucket", "rows_bucket", "PRECISION"], prune=_factor_prune,
+          pinned=True, restore_value=["factor_ptr"])
 @jit
 def _factor_update_kernel(
-    factor_ptr,  # [dim, dim] fp32, contiguous, updated in place
+    factor_ptr,  # [dim, dim] fp32, row stride stride_f (unit column stride), updated in place
     x_ptr,  # [n_rows, in_dim], any float dtype and strides
     n_rows,
     in_dim,
     dim,  # in_dim + HAS_BIAS_COLUMN
+    stride_f,  # >= dim; a multiple of 16 keeps the factor's loads and stores vectorised
     stride_xn,
     stride_xd,
     decay,  # weight of the old factor; 0 means "do not read it"
@@ -137,13 +168,13 @@ def _factor_update_kernel(
 
     in_bounds = (rows[:, None] < dim) & (cols[None, :] < dim)
     owned = in_bounds & (rows[:, None] <= cols[None, :])
-    offsets = rows[:, None].to(tl.int64) * dim + cols[None, :]
+    offsets = rows[:, None].to(tl.int64) * stride_f + cols[None, :]
     old = tl.load(factor_ptr + offsets, mask=owned & (decay != 0.0), other=0.0)
     new = decay * old + coeff * acc
     tl.store(factor_ptr + offsets, new, mask=owned)
     # The same values, transposed, into the lower triangle: symmetric by construction.
     new_t = tl.trans(new)
-    offsets_t = cols[:, None].to(tl.int64) * dim + rows[None, :]
+    offsets_t = cols[:, None].to(tl.int64) * stride_f + rows[None, :]
     owned_t = (cols[:, None] < dim) & (rows[None, :] < dim) & (rows[None, :] <= cols[:, None])
     tl.store(factor_ptr + offsets_t, new_t, mask=owned_t)
 
@@ -177,7 +208,7 @@ def kfac_factor_update_triton(
 
     with _device_guard(factor):
         kernel[grid](
-            factor, x, n_rows, in_dim, dim, x.stride(0), x.stride(1),
+            factor, x, n_rows, in_dim, dim, factor.stride(0), x.stride(0), x.stride(1),
             float(decay), float(coeff), next_power_of_2(dim), next_power_of_2(n_rows),
             HAS_BIAS_COLUMN=bool(append_bias), PRECISION=precision, **meta,
         )
@@ -201,17 +232,29 @@ def kfac_factor_update_reference(
 
 
 def _gemm_configs():
+    # In order of preference; the first that fits a key runs (pinned: BLOCK_K and
+    # the tile decide how the products over K are grouped and rounded). Measured
+    # on sm_90 by tests/test_sm90_compile.py: 128 x 128 tiles and BLOCK_K = 64
+    # spill at every precision, 64 x 128 with "ieee", 32 x 32 with 2 warps with
+    # "tf32x3"; _tile_fits prunes 128 x 64 for "ieee".
     return [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=2, num_stages=2),
     ]
 
 
-@autotune(_gemm_configs, key=["m_bucket", "n_bucket", "k_bucket"])
+def _gemm_prune(configs, key_args):
+    """Tiles that fit the precision's register budget and shared memory, no wider than needed."""
+    precision = key_args["PRECISION"]
+    fit = [c for c in configs if _tile_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
+                                            c.num_warps, c.num_stages, precision)]
+    narrow = [c for c in fit if c.kwargs["BLOCK_M"] <= max(64, key_args["m_bucket"])
+              and c.kwargs["BLOCK_N"] <= max(64, key_args["n_bucket"])]
+    return narrow or fit[-1:]
+
+
+@autotune(_gemm_configs, key=["m_bucket", "n_bucket", "k_bucket", "PRECISION"], prune=_gemm_prune,
+          pinned=True)
 @jit
 def _gemm_epilogue_kernel(
     a_ptr, b_ptr, c_ptr,  # C[M, N] = A[M, K] @ B[K, N] (+ epilogue); C fp32

@@ -23,12 +23,20 @@ GPU design. ``r`` is small (1-8), so the two products are bandwidth-bound
 (``2 r`` flops per 4-byte element) and run as Triton reductions over register
 tiles rather than tensor-core GEMMs (which also sidesteps TF32):
 
-1. one program per tile of rows: ``A = error + grad`` is written back into
-   ``error`` and ``P = A Q`` accumulated in the same pass;
+1. one program per (tile of rows, segment of columns): ``A = error + grad`` is
+   written back into ``error`` and the segment's part of ``P = A Q``
+   accumulated in the same pass;
 2. Gram-Schmidt on the ``n x r`` ``P`` in torch (``r`` sequential column steps on
    a tiny matrix; a kernel does not pay);
-3. one program per tile of columns: ``Q = A^T P`` (``A`` re-read from ``error``);
+3. one program per (tile of columns, segment of rows): ``Q = A^T P`` (``A``
+   re-read from ``error``);
 4. one program per 2-D tile: ``error = A - P Q^T`` (the fused epilogue).
+
+The segments of steps 1 and 3 give a 512 x 4608 layer about ``TARGET_PROGRAMS``
+programs instead of 16 and 72; their partial products (``segments x n x r``
+floats, a few hundred KB) are summed by ``torch.sum`` in a fixed order. Every
+kernel runs one config per key (pinned), so the result is the same bits in
+every process.
 
 Traffic: read grad and error, write A, read A twice, write error: about
 ``24 n p`` bytes, the floor of a 3-pass algorithm (the second product needs all
@@ -48,6 +56,11 @@ GRAM_SCHMIDT_EPS = 1e-8
 DEPENDENT_TOLERANCE = 1e-4
 TILE_ROWS = 32
 TILE_COLS = 64
+# The two products split their reduction dimension into segments until the grid
+# has about this many programs (an H100 has 132 SMs); the segments' partial
+# products are summed afterwards in a fixed order. The split depends on the
+# shape only, never on the launch config.
+TARGET_PROGRAMS = 1024
 
 
 def _configs():
@@ -58,26 +71,31 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-@autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], restore_value=["error_ptr"])
+# The sums over a tile run in a layout that depends on num_warps: every kernel
+# here is pinned per key.
+@autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], pinned=True, restore_value=["error_ptr"])
 @jit
 def _accumulate_project_kernel(
     grad_ptr,  # [n, p] fp32/bf16/fp16
     error_ptr,  # [n, p] fp32, becomes A = error + grad
     q_ptr,  # [p, r] fp32
-    out_p_ptr,  # [n, r] fp32, output P = A Q
+    out_p_ptr,  # [segments, n, r] fp32, output: partial P = A Q over each column segment
     n,
     p,
     r,
+    segment_cols,  # columns per segment, a multiple of BLOCK_P
     R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    segment = tl.program_id(1)
     row_ok = rows < n
     ranks = tl.arange(0, R)
     rank_ok = ranks < r
     acc = tl.zeros([BLOCK_N, R], dtype=tl.float32)
-    for c0 in range(0, p, BLOCK_P):
+    start = segment * segment_cols
+    for c0 in range(start, tl.minimum(start + segment_cols, p), BLOCK_P):
         cols = c0 + tl.arange(0, BLOCK_P)
         col_ok = cols < p
         mask = row_ok[:, None] & col_ok[None, :]
@@ -89,29 +107,33 @@ def _accumulate_project_kernel(
         q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :],
                     mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
         acc += tl.sum(a[:, :, None] * q[None, :, :], axis=1)
-    tl.store(out_p_ptr + rows.to(tl.int64)[:, None] * r + ranks[None, :], acc,
+    out_base = segment.to(tl.int64) * n * r
+    tl.store(out_p_ptr + out_base + rows.to(tl.int64)[:, None] * r + ranks[None, :], acc,
              mask=row_ok[:, None] & rank_ok[None, :])
 
 
-@autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"])
+@autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], pinned=True)
 @jit
 def _back_project_kernel(
     a_ptr,  # [n, p] fp32 (A)
     p_ptr,  # [n, r] fp32 (orthonormalised P)
-    out_q_ptr,  # [p, r] fp32, output Q = A^T P
+    out_q_ptr,  # [segments, p, r] fp32, output: partial Q = A^T P over each row segment
     n,
     p,
     r,
+    segment_rows,  # rows per segment, a multiple of BLOCK_N
     R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    segment = tl.program_id(1)
     col_ok = cols < p
     ranks = tl.arange(0, R)
     rank_ok = ranks < r
     acc = tl.zeros([BLOCK_P, R], dtype=tl.float32)
-    for r0 in range(0, n, BLOCK_N):
+    start = segment * segment_rows
+    for r0 in range(start, tl.minimum(start + segment_rows, n), BLOCK_N):
         rows = r0 + tl.arange(0, BLOCK_N)
         row_ok = rows < n
         a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * p + cols[None, :],
@@ -119,11 +141,12 @@ def _back_project_kernel(
         pr = tl.load(p_ptr + rows.to(tl.int64)[:, None] * r + ranks[None, :],
                      mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
         acc += tl.sum(a[:, :, None] * pr[:, None, :], axis=0)
-    tl.store(out_q_ptr + cols[:, None] * r + ranks[None, :], acc,
+    out_base = segment.to(tl.int64) * p * r
+    tl.store(out_q_ptr + out_base + cols[:, None] * r + ranks[None, :], acc,
              mask=col_ok[:, None] & rank_ok[None, :])
 
 
-@autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], restore_value=["error_ptr"])
+@autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], pinned=True, restore_value=["error_ptr"])
 @jit
 def _residual_kernel(
     error_ptr,  # [n, p] fp32: A in, A - P Q^T out
@@ -181,6 +204,14 @@ def residual_grid(n: int, cols: int, block_n: int, block_p: int) -> tuple[int]:
     return (cdiv(n, block_n) * cdiv(cols, block_p),)
 
 
+def split_reduction(tiles: int, other_tiles: int) -> tuple[int, int]:
+    """``(segments, tiles per segment)``: split ``tiles`` of a reduction so ``other_tiles * segments``
+    programs come near ``TARGET_PROGRAMS`` (a function of the shape only)."""
+    segments = max(1, min(tiles, cdiv(TARGET_PROGRAMS, max(other_tiles, 1))))
+    per_segment = cdiv(tiles, segments)
+    return cdiv(tiles, per_segment), per_segment
+
+
 def _keep_warm_start(p: torch.Tensor, q_in: torch.Tensor, q_new: torch.Tensor) -> torch.Tensor:
     """``q_new`` with the warm start's column wherever ``p``'s column is zero (no host sync)."""
     alive = (p != 0).any(dim=0)
@@ -210,10 +241,21 @@ def lowrank_ef_triton(
         return out_p, _keep_warm_start(out_p, q, out_q.zero_())
     meta = dict(R=max(2, next_power_of_2(rank)), BLOCK_N=min(TILE_ROWS, max(2, next_power_of_2(n))),
                 BLOCK_P=min(TILE_COLS, max(2, next_power_of_2(cols))))
+    row_tiles, col_tiles = cdiv(n, meta["BLOCK_N"]), cdiv(cols, meta["BLOCK_P"])
+    col_segments, col_tiles_per_segment = split_reduction(col_tiles, row_tiles)
+    row_segments, row_tiles_per_segment = split_reduction(row_tiles, col_tiles)
+    partial_p = torch.empty((col_segments, n, rank), dtype=torch.float32, device=grad.device)
+    partial_q = torch.empty((row_segments, cols, rank), dtype=torch.float32, device=grad.device)
     with _device_guard(grad):
-        _accumulate_project_kernel[(cdiv(n, meta["BLOCK_N"]),)](grad, error, q, out_p, n, cols, rank, **meta)
+        _accumulate_project_kernel[(row_tiles, col_segments)](
+            grad, error, q, partial_p, n, cols, rank, col_tiles_per_segment * meta["BLOCK_P"], **meta
+        )
+        torch.sum(partial_p, dim=0, out=out_p)
         gram_schmidt_(out_p)
-        _back_project_kernel[(cdiv(cols, meta["BLOCK_P"]),)](error, out_p, out_q, n, cols, rank, **meta)
+        _back_project_kernel[(col_tiles, row_segments)](
+            error, out_p, partial_q, n, cols, rank, row_tiles_per_segment * meta["BLOCK_N"], **meta
+        )
+        torch.sum(partial_q, dim=0, out=out_q)
         _residual_kernel[residual_grid(n, cols, meta["BLOCK_N"], meta["BLOCK_P"])](
             error, out_p, out_q, n, cols, rank, **meta
         )

@@ -29,17 +29,21 @@ Math::
 
 GPU design.
 
-* SP: one program per (d-block, tile of ``ROWS`` rows); it streams its rows'
-  indices and values (coalesced), gathers ``x`` inside one d-block (L1/L2
-  resident) and writes one partial sum per row to ``partial[num_blocks, m]``,
-  summed over blocks afterwards by ``torch.sum`` in a fixed order: no atomics,
-  deterministic. The partials add ``4 * num_blocks * m`` bytes, about 1 % of the
+* SP: one program per (d-block, tile of ``ROWS`` rows), the row tiles of one
+  d-block adjacent on the grid so that they run together; each streams its
+  rows' indices and values (coalesced), gathers ``x`` inside one d-block
+  (L1/L2 resident) and writes one partial sum per row to
+  ``partial[num_blocks, m]``, summed over blocks afterwards by ``torch.sum`` in
+  a fixed order: no atomics, and the config is pinned per key, so the result
+  is the same bits in every process. The partials add ``4 * num_blocks * m`` bytes, about 1 % of the
   buffer's traffic at the paper's sizes.
 * LCG: one program per d-block. It zeroes its output block, then adds the rows
   in slot order, ``out[I[b, r, :]] += w[r] * V[b, r, :]`` as a load and a store,
-  with a barrier between rows. The indices of one row are distinct, so no two
-  lanes of one row touch the same address, and the barrier orders the rows, as
-  the paper's shared-memory kernel does: the result is bitwise reproducible.
+  with a barrier between rows, the next row's indices and values loaded ahead.
+  The indices of one row are distinct, so no two lanes of one row touch the
+  same address, and the barrier orders the rows, as the paper's shared-memory
+  kernel does; compiled without FMA contraction, each addition is the
+  reference's: the result is the same bits as the CPU reference.
   The output block (at most a few tens of KB) stays in L1/L2, so HBM sees one
   write of ``4 * block_size`` bytes per block.
 * Values are upcast to float32 right after the load; everything accumulates in
@@ -72,7 +76,9 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-@autotune(_sp_configs, key=["m_bucket", "BLOCK_K"])  # writes every partial: no reset needed
+# The partial sum of a row covers its k entries in a [ROWS, BLOCK_K] tile whose
+# reduction order depends on the config: pinned per key.
+@autotune(_sp_configs, key=["m_bucket", "BLOCK_K"], pinned=True)  # writes every partial
 @jit
 def _sparse_sp_kernel(
     idx_ptr,  # [num_blocks, m, k] int32
@@ -86,8 +92,12 @@ def _sparse_sp_kernel(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    blk = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    # Row tiles vary fastest over the flat grid: the programs running together
+    # share one d-block, so its slice of x (4 * block_size bytes) stays in L1/L2.
+    pid = tl.program_id(0)
+    row_tiles = tl.cdiv(m, ROWS)
+    blk = (pid // row_tiles).to(tl.int64)
+    rows = (pid % row_tiles) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < m
     cols = tl.arange(0, BLOCK_K)
     row_base = (blk * m + rows.to(tl.int64)) * k
@@ -105,6 +115,7 @@ def _sparse_sp_kernel(
     tl.store(partial_ptr + blk * m + rows, acc, mask=row_ok)
 
 
+# One writer per output element and a fixed row order: the same bits under every config.
 @autotune(_lcg_configs, key=["m_bucket", "BLOCK_K"])  # rewrites the whole output
 @jit
 def _sparse_lcg_kernel(
@@ -125,20 +136,35 @@ def _sparse_lcg_kernel(
     for z0 in range(0, block_size, ZERO):
         tl.store(out_base + z0 + lanes, tl.zeros([ZERO], dtype=tl.float32),
                  mask=z0 + lanes < block_size)
-    tl.debug_barrier()
     cols = tl.arange(0, BLOCK_K)
-    for r in range(0, m):
-        w = tl.load(w_ptr + r)
-        row_base = (blk * m + r) * k
-        for k0 in range(0, k, BLOCK_K):
-            c = k0 + cols
-            mask = c < k
-            idx = tl.load(idx_ptr + row_base + c, mask=mask, other=0)
-            val = tl.load(val_ptr + row_base + c, mask=mask, other=0.0).to(tl.float32)
-            in_block = mask & (idx >= 0) & (idx < block_size)
-            current = tl.load(out_base + idx, mask=in_block, other=0.0)
-            tl.store(out_base + idx, current + w * val, mask=in_block)
+    # Steps walk (row, chunk of BLOCK_K entries) in order; the loads of step
+    # i + 1 are issued before step i's read-modify-write, so their latency
+    # overlaps it (the barrier would otherwise expose it at every row).
+    chunks = tl.cdiv(k, BLOCK_K)
+    steps = m * chunks
+    c = cols
+    mask = c < k
+    base = blk * m * k
+    idx = tl.load(idx_ptr + base + c, mask=mask, other=0)
+    val = tl.load(val_ptr + base + c, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr)
+    tl.debug_barrier()
+    for step in range(0, steps):
+        # The step after the last re-reads the last chunk (in bounds, never used).
+        nxt = tl.minimum(step + 1, steps - 1)
+        r_next = nxt // chunks
+        c_next = (nxt % chunks) * BLOCK_K + cols
+        mask_next = c_next < k
+        offs_next = (blk * m + r_next) * k + c_next
+        idx_next = tl.load(idx_ptr + offs_next, mask=mask_next, other=0)
+        val_next = tl.load(val_ptr + offs_next, mask=mask_next, other=0.0).to(tl.float32)
+        w_next = tl.load(w_ptr + r_next)
+        in_block = mask & (idx >= 0) & (idx < block_size)
+        current = tl.load(out_base + idx, mask=in_block, other=0.0)
+        # Launched without FMA contraction: w * val is rounded before the add, as in the reference.
+        tl.store(out_base + idx, current + w * val, mask=in_block)
         tl.debug_barrier()  # the next row may touch the same positions
+        idx, val, w, mask = idx_next, val_next, w_next, mask_next
 
 
 # No restore_value: the insert is idempotent (a rerun writes the same row), and
@@ -185,7 +211,7 @@ def sparse_sp_triton(indices: torch.Tensor, values: torch.Tensor, x: torch.Tenso
     block_k = _block_k(k)
 
     def grid(meta):
-        return (num_blocks, cdiv(m, meta["ROWS"]))
+        return (num_blocks * cdiv(m, meta["ROWS"]),)
 
     with _device_guard(x):
         _sparse_sp_kernel[grid](
@@ -208,6 +234,7 @@ def sparse_lcg_triton(
         _sparse_lcg_kernel[(num_blocks,)](
             indices, values, weights, out, m, k, block_size, next_power_of_2(m),
             BLOCK_K=_block_k(k), ZERO=min(ZERO_TILE, next_power_of_2(block_size)),
+            enable_fp_fusion=False,
         )
     return out
 

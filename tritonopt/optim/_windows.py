@@ -72,6 +72,10 @@ class DenseWindow:
     KEEPS_FLOAT64 = True  # float64 parameters keep float64 rows (to check the algebra exactly)
 
     @staticmethod
+    def error_dtype(group: dict) -> torch.dtype:
+        return torch.float32
+
+    @staticmethod
     def check_group(group: dict) -> None:
         pass
 
@@ -110,11 +114,18 @@ class SparseWindow:
     bfloat16 values the selected entries are rounded first and the rounding
     residual joins the error (``a == stored row + e``), so ``dots`` stays the
     Gram matrix of the stored rows. ``error_feedback=False`` keeps ``e = 0``.
+    With ``error_dtype=torch.bfloat16`` the error is stored in bfloat16 (half the
+    memory): ``a = g + e`` is formed in float32 and the new residual is rounded
+    once when stored, so the feedback loses that rounding (about 2^-9 of ``e``).
     """
 
     BLOCKWISE = True
     ERROR_FEEDBACK = True
     KEEPS_FLOAT64 = False
+
+    @staticmethod
+    def error_dtype(group: dict) -> torch.dtype:
+        return group["error_dtype"]
 
     @staticmethod
     def check_group(group: dict) -> None:
@@ -123,8 +134,9 @@ class SparseWindow:
             raise ValueError(f"density must be a number in (0, 1], got {density!r}")
         check_int("block_size", group["block_size"], low=1)
         check_bool("error_feedback", group["error_feedback"])
-        if group["values_dtype"] not in VALUE_DTYPES:
-            raise ValueError(f"values_dtype must be torch.float32 or torch.bfloat16, got {group['values_dtype']!r}")
+        for name in ("values_dtype", "error_dtype"):
+            if group[name] not in VALUE_DTYPES:
+                raise ValueError(f"{name} must be torch.float32 or torch.bfloat16, got {group[name]!r}")
 
     @staticmethod
     def initial_state(state: dict, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
@@ -150,12 +162,17 @@ class SparseWindow:
         ring = state[packed.layout.tensors[0]]
         indices_ring, values_ring = ring["ring_indices"], ring["ring_values"]
         with nvtx_range(f"tritonopt/{algo}/compress"):
-            error = packed.error if group["error_feedback"] else torch.zeros_like(packed.grad)
+            narrow_error = group["error_feedback"] and packed.error.dtype != torch.float32
+            if narrow_error:  # a = g + e in float32, in the gradient's scratch; the residual starts from 0
+                packed.grad.add_(packed.error)
+            error = packed.error if group["error_feedback"] and not narrow_error else torch.zeros_like(packed.grad)
             indices, values = ef_topk(packed.grad, error, indices_ring.shape[2])
             if values_ring.dtype != torch.float32:
                 stored = values.to(values_ring.dtype).to(torch.float32)
                 error.scatter_(1, indices.long(), values - stored)
                 values = stored
+            if narrow_error:
+                packed.error.copy_(error)
             compressed = torch.zeros_like(packed.grad).scatter_(1, indices.long(), values)
         with nvtx_range(f"tritonopt/{algo}/insert"):
             sparse_ring_insert(indices_ring, values_ring, slot, indices, values)
@@ -189,6 +206,10 @@ class LowRankWindow:
     BLOCKWISE = False
     ERROR_FEEDBACK = True
     KEEPS_FLOAT64 = False
+
+    @staticmethod
+    def error_dtype(group: dict) -> torch.dtype:
+        return torch.float32
 
     @staticmethod
     def check_group(group: dict) -> None:

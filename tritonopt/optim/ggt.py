@@ -75,7 +75,7 @@ class SparseGGT(WindowedPreconditioner):
     Args:
         lr, ngrads, eps, momentum, weight_decay, max_update_norm, per_group_windows,
             track_error_norm, on_nonfinite: as :class:`GGT`.
-        density, block_size, error_feedback, values_dtype: as
+        density, block_size, error_feedback, values_dtype, error_dtype: as
             :class:`tritonopt.optim.mfac.SparseMFAC`.
     """
 
@@ -97,6 +97,7 @@ class SparseGGT(WindowedPreconditioner):
         weight_decay: float = 0.0,
         error_feedback: bool = True,
         values_dtype: torch.dtype = torch.float32,
+        error_dtype: torch.dtype = torch.float32,
         max_update_norm: Optional[float] = None,
         per_group_windows: bool = False,
         track_error_norm: bool = False,
@@ -105,7 +106,7 @@ class SparseGGT(WindowedPreconditioner):
         defaults = dict(
             lr=lr, density=density, ngrads=ngrads, eps=eps, block_size=block_size,
             momentum=momentum, weight_decay=weight_decay, error_feedback=error_feedback,
-            values_dtype=values_dtype,
+            values_dtype=values_dtype, error_dtype=error_dtype,
         )
         defaults["max_update_norm"] = max_update_norm
         super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,

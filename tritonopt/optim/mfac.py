@@ -110,6 +110,8 @@ class SparseMFAC(WindowedPreconditioner):
         error_feedback: keep the compression error and feed it back (default True).
         values_dtype: ``torch.float32`` or ``torch.bfloat16`` for the stored values
             (with bfloat16, ``c`` is the rounded row and the rounding error joins ``e``).
+        error_dtype: ``torch.float32`` or ``torch.bfloat16`` for the stored error
+            (bfloat16 halves its memory; each step's residual is rounded once).
     """
 
     ALGO = "sparse_mfac"
@@ -130,6 +132,7 @@ class SparseMFAC(WindowedPreconditioner):
         weight_decay: float = 0.0,
         error_feedback: bool = True,
         values_dtype: torch.dtype = torch.float32,
+        error_dtype: torch.dtype = torch.float32,
         max_update_norm: Optional[float] = None,
         per_group_windows: bool = False,
         track_error_norm: bool = False,
@@ -138,7 +141,7 @@ class SparseMFAC(WindowedPreconditioner):
         defaults = dict(
             lr=lr, density=density, ngrads=ngrads, damp=damp, block_size=block_size,
             momentum=momentum, weight_decay=weight_decay, error_feedback=error_feedback,
-            values_dtype=values_dtype,
+            values_dtype=values_dtype, error_dtype=error_dtype,
         )
         defaults["max_update_norm"] = max_update_norm
         super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,

@@ -76,8 +76,8 @@ from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_moment
 # below this bound, every scalar product of two stored gradients stays far from overflow.
 MAX_GRADIENT_NORM = 1e17
 # What one window of a model shares across its groups (the rest is per group).
-WINDOW_KEYS = ("ngrads", "damp", "eps", "density", "block_size", "error_feedback", "values_dtype", "rank",
-               "max_update_norm")
+WINDOW_KEYS = ("ngrads", "damp", "eps", "density", "block_size", "error_feedback", "values_dtype", "error_dtype",
+               "rank", "max_update_norm")
 
 
 class WindowedPreconditioner(PackedOptimizer):
@@ -171,8 +171,12 @@ class WindowedPreconditioner(PackedOptimizer):
                 entries += list(param_entries(p).values())
             total += sum(math.prod(shape) * torch.empty((), dtype=d).element_size() for shape, d in entries)
             layout_numel = _padded_numel(params, self._block_size(groups[0]))
-            flat = 1 + int(self.WINDOW.ERROR_FEEDBACK) + int(any(g["momentum"] > 0 for g in groups))
-            total += flat * layout_numel * torch.empty((), dtype=dtype).element_size()
+            flat = [dtype]  # the packed-gradient scratch
+            if self.WINDOW.ERROR_FEEDBACK:
+                flat.append(self.WINDOW.error_dtype(groups[0]))
+            if any(g["momentum"] > 0 for g in groups):
+                flat.append(dtype)
+            total += sum(layout_numel * torch.empty((), dtype=d).element_size() for d in flat)
             total += 4 * len(params)  # the float32 step counters
         return total
 
@@ -235,12 +239,13 @@ class WindowedPreconditioner(PackedOptimizer):
             return packed
         layout = BlockLayout(params, self._block_size(group))
         dtype = self._work_dtype(params)
-        names = ["error"] if self.WINDOW.ERROR_FEEDBACK else []
-        if any("momentum_buffer" in self.state[p] for p in params) or any(g["momentum"] > 0 for g in groups):
-            names.append("momentum_buffer")
         for p in params:
             self.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
-        buffers = bind_flat_state(self.state, layout, names, dtype)
+        buffers = {}
+        if self.WINDOW.ERROR_FEEDBACK:
+            buffers.update(bind_flat_state(self.state, layout, ["error"], self.WINDOW.error_dtype(group)))
+        if any("momentum_buffer" in self.state[p] for p in params) or any(g["momentum"] > 0 for g in groups):
+            buffers.update(bind_flat_state(self.state, layout, ["momentum_buffer"], dtype))
         ring = self.state[params[0]]
         for name, value in self._initial_window(group, layout, dtype).items():
             if name not in ring:
