@@ -212,16 +212,11 @@ class KFACRun(ModelRun):
 OPTIMIZERS += [
     OptimizerInfo(
         "FOSI", ModelRun, build_for_model=_fosi_for_model,
-        bad_hyperparameters=[(dict(k=-1), "k"), (dict(alpha=-1.0), "alpha"),
-                             (dict(curvature_update_every=0), "curvature_update_every"),
-                             (dict(on_nonfinite="ignore"), "on_nonfinite")],
-        steps_to_wrap=4, param_groups=False,
-        known_defects={
-            "test_a_deep_copy_continues_bit_for_bit": "a copied FOSI loses its flat buffers and hyperparameters",
-            "test_a_pickled_copy_continues_bit_for_bit": "a copied FOSI loses its flat buffers and hyperparameters",
-            "test_a_copy_keeps_the_hyperparameters": "a copied FOSI loses its hyperparameters",
-            "test_a_nonfinite_gradient_changes_nothing[first step]": "a refused first step leaves new state behind",
-        },
+        bad_hyperparameters=COMMON_BAD + [(dict(k=-1), "k"), (dict(alpha=-1.0), "alpha"),
+                                          (dict(curvature_update_every=0), "curvature_update_every"),
+                                          (dict(weight_decay=-1.0), "weight_decay"),
+                                          (dict(eigenvalue_floor=2.0), "eigenvalue_floor")],
+        steps_to_wrap=4,
     ),
     OptimizerInfo(
         "KFACPreconditioner", KFACRun, build_for_model=_kfac_for_model,

@@ -11,7 +11,7 @@ from _distributed import run_on_ranks
 import tritonopt
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.lanczos import distributed_lanczos, reconstruct_columns, shard_size
-from tritonopt.optim._lanczos import lanczos, ritz_vectors, select_ritz
+from tritonopt.optim.lanczos import lanczos, ritz_vectors, select_ritz
 
 WORLD = 4
 N = 203  # not a multiple of 2 or 4: padding is exercised

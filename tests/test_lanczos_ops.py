@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import tritonopt
 from tritonopt.ops import gram_schmidt_coefficients, gram_schmidt_project, gram_schmidt_subtract
-from tritonopt.optim._lanczos import (
+from tritonopt.optim.lanczos import (
     default_lanczos_iters,
     lanczos,
     make_hvp,

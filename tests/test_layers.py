@@ -56,12 +56,7 @@ def imports(path: Path) -> list[tuple[str, list[str]]]:
 
 
 # Modules that still reach past a layer, with what they reach for (strict xfails until moved).
-KNOWN_CROSSINGS = {
-    "tritonopt.dist.dho2": "imports the fosi_step declaration, a kernel reference and FOSI's private pieces",
-    "tritonopt.dist.lanczos": "imports the Gram-Schmidt op declarations and optim's private Lanczos",
-    "tritonopt.optim._lanczos": "imports the Gram-Schmidt op declarations",
-    "tritonopt.optim.fosi": "imports the fosi_step declaration and the kernel module",
-}
+KNOWN_CROSSINGS: dict[str, str] = {}
 MODULES = [
     pytest.param(path, id=module_name(path), marks=[pytest.mark.xfail(reason=KNOWN_CROSSINGS[module_name(path)], strict=True)]
                  if module_name(path) in KNOWN_CROSSINGS else [])

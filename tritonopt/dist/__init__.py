@@ -5,6 +5,7 @@
 ``distributed_lanczos``     Lanczos with the basis sharded by rows (DHO2 Alg. 2)
 ``reconstruct_columns``     row shards to column shards with one ``all_to_all``
 ``DHO2`` / ``MRDHO2``       distributed FOSI, and its accelerator/worker form
+``CollectiveFailure``       what a layer raises when a rank died or stalled past its timeout
 ==========================  =====================================================
 
 Every layer uses ``torch.distributed`` collectives only (NCCL on GPU, gloo on
@@ -12,11 +13,13 @@ CPU), documents the collectives it issues and what each rank holds, and counts
 the bytes it sends and receives per collective kind.
 """
 
+from tritonopt.dist._collective_guard import CollectiveFailure
 from tritonopt.dist.dho2 import DHO2, MRDHO2
 from tritonopt.dist.kaisa import KAISAAssignment, KAISACollectiveError, KAISAPreconditioner, Strategy
 from tritonopt.dist.lanczos import distributed_lanczos, reconstruct_columns
 
 __all__ = [
+    "CollectiveFailure",
     "DHO2",
     "KAISAAssignment",
     "KAISACollectiveError",

@@ -1,28 +1,36 @@
 """DHO2 and MR-DHO2: distributed FOSI (Gu et al., secs. III and IV).
 
-DHO2 (:class:`DHO2`) -- data parallel, every rank runs the same update:
+Both compose FOSI's public pieces (:mod:`tritonopt.optim.functional`,
+:mod:`tritonopt.optim.lanczos`, :class:`~tritonopt.optim.fosi.FOSIConfig`) with
+their collectives.
+
+DHO2 (:class:`DHO2`) -- data parallel, every rank runs the same update. It is
+:class:`~tritonopt.optim.FOSI` with a :class:`ShardedSubspace`:
 
 * gradient: ``all_reduce`` of the flat gradient, divided by ``C`` ("grad_all_reduce", n);
 * ESE: Algorithm 2 (:func:`tritonopt.dist.lanczos.distributed_lanczos`; ``D`` row
   shard ``[m, ceil(n/C)]`` per rank), ``eigh(B)`` on every rank, then one
   ``all_to_all`` turns the Ritz-vector row shard into ``r_c`` whole vectors
-  (``V_c``: ``[r_c, n]``, rows ``[start_c, start_c + r_c)`` of ``V``);
+  (``V_c``: ``[r_c, n]``, rows ``[start_c, start_c + r_c)`` of ``V``); with
+  ``g1_momentum``, one more ``all_reduce`` ("velocity_all_reduce", n) carries
+  the velocity into the new basis;
 * update, ``variant="algorithm3"`` (Algorithm 3 as printed, 4 n-sized all_reduces
   per step)::
 
-      g  = AR(grad) / C;  g1 = AR(V_c^T V_c g);  d1 = AR(-V_c^T (s_c * V_c g1))
+      g  = AR(grad) / C;  g1 = AR(V_c^T V_c g);  d1 = AR(-rho V_c^T (s_c * q_c))
       u  = O(g - g1);     w += d1 + b (u - AR(V_c^T V_c u))
 
-  ``variant="fused"`` (default, 3 all_reduces: "grad_all_reduce",
-  "g1_all_reduce", "update_all_reduce"): the Newton term and the projection
-  share one all_reduce: ``w += b u + AR(-V_c^T (s_c * V_c g1) - b V_c^T V_c u)``.
+  with ``q_c = V_c g1`` or its velocity, ``rho`` the groups' Newton factors
+  (``lr / initial_lr``), ``b`` the base-step scale. ``variant="fused"``
+  (default, 3 all_reduces: "grad_all_reduce", "g1_all_reduce",
+  "update_all_reduce"): the Newton term and the projection share one
+  all_reduce: ``w += b u + AR(-rho V_c^T (s_c * q_c) - b V_c^T V_c u)``.
 
 Each rank holds the model, the gradient, the base optimizer's state
 (replicated, as in the paper), ``V_c`` (``r_c n``) and, during the ESE only,
-its ``D`` shard. ``g1_momentum`` is not supported (the paper has none).
-Checkpoints are therefore per rank: :meth:`DHO2.load_state_dict` issues one
-one-integer all_reduce ("load_state_dict") and refuses, on every rank, a state
-dict saved on another rank once curvature exists.
+its ``D`` shard. Checkpoints are per rank: :meth:`DHO2.load_state_dict` issues
+one one-integer all_reduce ("load_state_dict") and refuses, on every rank, a
+state dict saved on another rank once curvature exists.
 
 MR-DHO2 (:class:`MRDHO2`) -- ranks ``0..A-1`` are accelerators, ``A..C-1`` workers.
 Per epoch (the caller brackets each epoch with :meth:`MRDHO2.begin_epoch` /
@@ -35,9 +43,10 @@ Per epoch (the caller brackets each epoch with :meth:`MRDHO2.begin_epoch` /
   ``J`` ("worker_grad_all_reduce", n); ``w += O(g)``; ``p += g`` (eq. 13);
 * end: one world ``all_to_all`` ("ritz_scatter") sends each worker ``j`` its
   ``r_j`` Ritz vectors (every accelerator sends its rows ``[n/A]`` of them),
-  a ``broadcast`` of the Ritz values from rank 0 ("eigenvalue_broadcast"), and
-  the final model update (eq. 17) on the workers with 2 all_reduces among
-  workers ("final_newton_and_projection" (2n), "final_reprojection" (n))::
+  two ``broadcast`` from rank 0 of the count and of the Ritz values with the
+  spectrum's scale ("eigenvalue_broadcast"), and the final model update
+  (eq. 17) on the workers with 2 all_reduces among workers
+  ("final_newton_and_projection" (2n), "final_reprojection" (n))::
 
       o = w - c;   w_new = c - sum_j V_j^T (s_j * V_j p~) + (I - P)(I - P) o
 
@@ -48,18 +57,32 @@ Per epoch (the caller brackets each epoch with :meth:`MRDHO2.begin_epoch` /
   step's worth and is the more cautious option.
 
 Accelerators do not train; their weights follow the broadcast at each epoch start.
+
+Both layers take a ``timeout`` that applies to every process group they
+create (DHO2 creates one only when given a timeout), check at construction,
+with two small ``all_gather`` of 8-byte digests ("config_check"), that every
+rank has the same model shapes, hyperparameters and world layout (else every
+rank raises ``ValueError`` naming the settings that differ and each rank's
+value), and re-raise a
+failed collective (a rank that died, or stalled past the timeout) as
+:class:`~tritonopt.dist._collective_guard.CollectiveFailure` naming the
+collective and the ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-from tritonopt._ops.fosi_step import fosi_step
 from tritonopt._runtime import nvtx_range
+from tritonopt._validation import check_choice, check_float, check_int
+from tritonopt.dist._agreement import check_ranks_agree
+from tritonopt.dist._collective_guard import GuardedCommunicator, resolve_timeout, timed_group
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.lanczos import (
     column_split,
@@ -68,134 +91,188 @@ from tritonopt.dist.lanczos import (
     reconstruct_columns,
     shard_size,
 )
-from tritonopt.kernels.fosi_step import base_update_reference
-from tritonopt.optim._blocks import BlockLayout
-from tritonopt.optim._lanczos import (
-    default_breakdown_rtol,
-    default_lanczos_iters,
-    make_hvp,
-    ritz_vectors,
-    select_ritz,
+from tritonopt.optim.fosi import FOSI, Curvature, FOSIConfig
+from tritonopt.optim.functional import (
+    FOSIHyper,
+    fosi_apply_weight_decay,
+    fosi_base_steps,
+    fosi_scale_segments,
+    fosi_update,
 )
-from tritonopt.optim.fosi import FOSI, _Packed
+from tritonopt.optim.lanczos import default_breakdown_rtol, extreme_ritz, make_hvp, ritz_vectors
 
-__all__ = ["DHO2", "MRDHO2"]
+__all__ = ["DHO2", "MRDHO2", "ShardedSubspace"]
 
 _VARIANTS = ("fused", "algorithm3")
 
 
-class DHO2(FOSI):
-    """Data-parallel FOSI with distributed Lanczos and a column-sharded update (see the module docstring).
+def _require_process_group(layer: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{layer} needs an initialised torch.distributed process group")
 
-    Takes every argument of :class:`~tritonopt.optim.FOSI` (``g1_momentum`` must
-    be 0), plus ``variant`` (``"fused"`` or ``"algorithm3"``), ``comm`` (a
-    :class:`CountingCommunicator`; one is made if None), ``group`` (default:
-    the world) and ``data_parallel_hvp`` (each rank's ``curvature_loss_fn``
-    uses its own data and the HVP is averaged; default False: every rank must
-    pass a loss on the same ESE batch). Call :meth:`step` after ``backward``
-    on the rank's own batch: the gradient is averaged here (do not wrap the
-    model in DDP).
+
+def _model_layout(params) -> list[tuple]:
+    return [(tuple(p.shape), str(p.dtype)) for p in params]
+
+
+class ShardedSubspace:
+    """DHO2's subspace for :class:`~tritonopt.optim.FOSI`: ``V`` sharded by rows over a group's ranks.
+
+    Implements the subspace interface of :class:`~tritonopt.optim.fosi.LocalSubspace`
+    with Algorithm 2 (ESE), the row-to-column reconstruction and Algorithm 3
+    (update); see the module docstring for the collectives.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, *, variant: str = "fused",
-                 comm: Optional[CountingCommunicator] = None, group=None,
-                 data_parallel_hvp: bool = False, **kwargs):
-        if variant not in _VARIANTS:
-            raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
-        if kwargs.get("g1_momentum", 0.0):
-            raise ValueError("g1_momentum is not supported by DHO2 (the paper's update has none)")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DHO2 needs an initialised torch.distributed process group")
-        self.variant = variant
+    def __init__(self, comm: GuardedCommunicator, group, *, variant: str = "fused", data_parallel_hvp: bool = False):
+        self.comm = comm
         self.group = group
-        self.comm = CountingCommunicator(group) if comm is None else comm
-        self.data_parallel_hvp = bool(data_parallel_hvp)
+        self.variant = variant
+        self.data_parallel_hvp = data_parallel_hvp
         self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.memory: dict = {}
-        super().__init__(params, lr, **kwargs)
 
-    def _reduce_gradient(self, grad: torch.Tensor) -> None:
+    def __reduce__(self):
+        raise TypeError("DHO2 holds a process group and cannot be copied or pickled; save its state_dict "
+                        "on every rank instead")
+
+    def reduce_gradient(self, grad: torch.Tensor) -> None:
         self.comm.all_reduce(grad, label="grad_all_reduce", group=self.group)
         grad.div_(self.world)
 
-    # ------------------------------------------------------------------ checkpoints
+    def extreme_spectrum(self, hvp, n: int, config: FOSIConfig, *, dtype, device, seed: int) -> Curvature:
+        with nvtx_range("tritonopt/dho2/lanczos"):
+            result = distributed_lanczos(
+                hvp, n, config.lanczos_iters(n), comm=self.comm, group=self.group, dtype=config.lanczos_dtype,
+                device=device, passes=config.reorth_passes, seed=seed,
+                breakdown_rtol=default_breakdown_rtol(config.lanczos_dtype),
+                data_parallel_hvp=self.data_parallel_hvp,
+            )
+        ritz = extreme_ritz(result.tridiag, config.k, config.l, config.ritz_rtol)
+        with nvtx_range("tritonopt/dho2/reconstruct"):
+            rows_shard = ritz_vectors(result.basis, ritz.vectors, dtype)
+            columns, start = reconstruct_columns(rows_shard, n, comm=self.comm, group=self.group)
+        report = {"steps": result.steps, "breakdown": result.breakdown,
+                  **lanczos_shard_report(result, n, self.world),
+                  "ritz_row_shard_numel": rows_shard.numel(), "v_columns_shape": tuple(columns.shape)}
+        self.memory = report
+        mine = ritz.values[start : start + columns.shape[0]]
+        return Curvature(mine, columns, ritz.values, ritz.scale, report)
 
-    def state_dict(self) -> dict:
-        """FOSI's state dict; ``eigenvectors``/``eigenvalues`` are this rank's ``V_c`` (per rank)."""
-        state = super().state_dict()
-        state["fosi"]["rank"] = dist.get_rank(self.group)
-        state["fosi"]["world_size"] = self.world
-        return state
+    def carry_velocity(self, new_basis: torch.Tensor, old_basis: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+        full = (velocity @ old_basis).contiguous()  # V_old^T z, summed over the ranks' rows
+        self.comm.all_reduce(full, label="velocity_all_reduce", group=self.group)
+        return new_basis @ full
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Collective: every rank loads the state dict saved on that same rank.
+    def update(self, weights, grad, basis, newton_scale, *, all_rows: int, base: str, segments, step: int,
+               state_a=None, state_b=None, base_scale: float = 1.0, g1_velocity=None, g1_decay: float = 0.0,
+               g1_gain: float = 1.0) -> None:
+        if all_rows == 0:  # warm-up: the plain (data-parallel) base optimizer
+            fosi_update(weights, grad, basis, newton_scale, base=base, segments=segments, step=step,
+                        state_a=state_a, state_b=state_b, base_scale=base_scale)
+            return
+        fosi_apply_weight_decay(weights, segments)
+        v, b = basis, base_scale
+        with nvtx_range("tritonopt/dho2/update"):
+            g1 = (v @ grad) @ v
+            self.comm.all_reduce(g1, label="g1_all_reduce", group=self.group)
+            coef = v @ g1
+            q = coef if g1_velocity is None else g1_velocity.mul_(g1_decay).add_(coef, alpha=g1_gain)
+            newton = -fosi_scale_segments((newton_scale * q) @ v, segments)
+            u = fosi_base_steps(grad - g1, state_a, state_b, base=base, segments=segments, step=step)
+            if self.variant == "algorithm3":
+                self.comm.all_reduce(newton, label="delta1_all_reduce", group=self.group)
+                projection = (v @ u) @ v
+                self.comm.all_reduce(projection, label="projection_all_reduce", group=self.group)
+                weights.add_(newton + b * (u - projection))
+            else:
+                combined = newton - b * ((v @ u) @ v)
+                self.comm.all_reduce(combined, label="update_all_reduce", group=self.group)
+                weights.add_(b * u + combined)
 
-        Once curvature exists, each rank holds different rows of ``V``; loading
-        another rank's state would silently precondition with the wrong
-        directions, so every rank raises ``ValueError`` (agreed by an
-        all_reduce, before anything changes) when one of them got a foreign state.
-        """
-        extra = state_dict.get("fosi") if isinstance(state_dict, dict) else None
+    def identity(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world}
+
+    def check_checkpoint(self, entry, device: torch.device, problem: Optional[Exception]) -> None:
+        """Collective: every rank raises if any rank's state dict is malformed (``problem``) or was
+        saved on another rank once curvature exists (each rank holds other rows of ``V``)."""
         foreign = False
-        if isinstance(extra, dict):
-            values = extra.get("all_eigenvalues")
+        if problem is None:
+            values = entry.get("all_eigenvalues")
             has_curvature = isinstance(values, torch.Tensor) and values.numel() > 0
-            same_rank = (extra.get("rank"), extra.get("world_size")) == (dist.get_rank(self.group), self.world)
-            foreign = has_curvature and not same_rank
-        device = self.param_groups[0]["params"][0].device
-        flag = torch.tensor([int(foreign)], dtype=torch.int32, device=device)
+            foreign = has_curvature and (entry.get("rank"), entry.get("world_size")) != (self.rank, self.world)
+        flag = torch.tensor([2 if problem is not None else int(foreign)], dtype=torch.int32, device=device)
         self.comm.all_reduce(flag, label="load_state_dict", op=dist.ReduceOp.MAX, group=self.group)
+        if problem is not None:
+            raise problem
+        if int(flag.item()) == 2:
+            raise ValueError("DHO2: another rank's state dict was refused (see its error); nothing was loaded")
         if int(flag.item()):
             raise ValueError(
                 "DHO2 state dicts are per rank once curvature exists (each rank holds its own "
                 "eigenvectors): every rank must load the state dict it saved"
             )
-        super().load_state_dict(state_dict)
 
-    def _compute_curvature(self, loss_fn, packed: _Packed):
-        n = packed.layout.total
-        with nvtx_range("tritonopt/dho2/lanczos"):
-            result = distributed_lanczos(
-                make_hvp(packed.layout.tensors, loss_fn), n, self.lanczos_iters(n), comm=self.comm,
-                group=self.group, dtype=self.lanczos_dtype, device=packed.layout.device,
-                passes=self.reorth_passes, seed=self.seed + self.ese_count,
-                breakdown_rtol=default_breakdown_rtol(self.lanczos_dtype),
-                data_parallel_hvp=self.data_parallel_hvp,
-            )
-        values, u_sel = select_ritz(result.tridiag, self.k, self.l, self.ritz_rtol)
-        with nvtx_range("tritonopt/dho2/reconstruct"):
-            rows_shard = ritz_vectors(result.basis, u_sel)
-            columns, start = reconstruct_columns(rows_shard, n, comm=self.comm, group=self.group)
-        mine = values[start : start + columns.shape[0]]
-        report = {"steps": result.steps, "breakdown": result.breakdown,
-                  **lanczos_shard_report(result, n, self.world),
-                  "ritz_row_shard_numel": rows_shard.numel(), "v_columns_shape": tuple(columns.shape)}
-        self.memory = report
-        return mine, columns, values, report
 
-    def _apply_update(self, packed: _Packed, group: dict) -> None:
-        if self.all_eigenvalues.numel() == 0:  # warm-up: plain data-parallel base optimizer
-            super()._apply_update(packed, group)
-            return
-        hyper = self._base_hyper(group)
-        v = packed.basis
-        s = self.newton_scale(self.eigenvalues).to(v.device)
-        g = packed.grad
-        with nvtx_range("tritonopt/dho2/update"):
-            g1 = (v @ g) @ v
-            self.comm.all_reduce(g1, label="g1_all_reduce", group=self.group)
-            newton = -((s * (v @ g1)) @ v)
-            u = base_update_reference(g - g1, packed.state_a, packed.state_b, self.base, **hyper)
-            b = self.base_scale
-            if self.variant == "algorithm3":
-                self.comm.all_reduce(newton, label="delta1_all_reduce", group=self.group)
-                projection = (v @ u) @ v
-                self.comm.all_reduce(projection, label="projection_all_reduce", group=self.group)
-                packed.weights.add_(newton + b * (u - projection))
-            else:
-                combined = newton - b * ((v @ u) @ v)
-                self.comm.all_reduce(combined, label="update_all_reduce", group=self.group)
-                packed.weights.add_(b * u + combined)
+class DHO2(FOSI):
+    """Data-parallel FOSI with distributed Lanczos and a column-sharded update (see the module docstring).
+
+    Takes every argument of :class:`~tritonopt.optim.FOSI` (parameter groups,
+    schedulers, ``weight_decay``, ``g1_momentum``, ``learning_rate_clip``,
+    ``warmup_steps=None``, float64 models), plus:
+
+    Args:
+        variant: ``"fused"`` (3 all_reduces per step) or ``"algorithm3"`` (4, as printed).
+        comm: a :class:`~tritonopt.dist._comm.CountingCommunicator` whose counters
+            record every collective (one is made if None).
+        group: the ranks that train together (default: the world).
+        data_parallel_hvp: each rank's ``curvature_loss_fn`` uses its own data and
+            the HVP is averaged; default False: every rank must pass a loss on
+            the same ESE batch.
+        timeout: seconds or a ``timedelta``. DHO2 then runs on its own copy of
+            ``group`` created with this timeout, so a rank that dies or stalls
+            makes the others raise within it; None (default) uses ``group``
+            (and its timeout) as it is.
+
+    Must be constructed on every rank of ``group`` at the same time (the
+    configuration check is a collective). Call :meth:`step` after ``backward``
+    on the rank's own batch: the gradient is averaged here (do not wrap the
+    model in DDP). ``copy.deepcopy`` and ``pickle`` are refused (a process
+    group cannot be copied); checkpoint with ``state_dict`` on every rank.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, variant: str = "fused",
+                 comm: Optional[CountingCommunicator] = None, group=None, data_parallel_hvp: bool = False,
+                 timeout=None, **kwargs):
+        check_choice("variant", variant, _VARIANTS)
+        _require_process_group("DHO2")
+        resolved = resolve_timeout(timeout, group)
+        if timeout is not None:
+            members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            group = timed_group(members, resolved, layer="DHO2", local=True)
+        self.comm = CountingCommunicator(group) if comm is None else comm
+        self.group, self.variant, self.world = group, variant, dist.get_world_size(group)
+        self.timeout = resolved
+        guarded = GuardedCommunicator(self.comm, layer="DHO2", timeout=resolved)
+        subspace = ShardedSubspace(guarded, group, variant=variant, data_parallel_hvp=bool(data_parallel_hvp))
+        super().__init__(params, lr, subspace=subspace, **kwargs)
+        trainable = self._trainable()
+        settings = {
+            "model (shapes, dtypes)": _model_layout(trainable),
+            **dataclasses.asdict(self.config),
+            "variant": variant,
+            "data_parallel_hvp": bool(data_parallel_hvp),
+            "world layout": dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
+            **{key: [g[key] for g in self.param_groups] for key in ("lr", "betas", "momentum", "eps", "weight_decay")},
+            "parameter groups": [len(g["params"]) for g in self.param_groups],
+        }
+        device = trainable[0].device if trainable else torch.device("cpu")
+        check_ranks_agree("DHO2", settings, comm=guarded, group=group, device=device)
+
+    @property
+    def memory(self) -> dict:
+        """What this rank held at the last ESE: its D shard and its Ritz vectors."""
+        return self.subspace.memory
 
 
 class MRDHO2:
@@ -206,58 +283,96 @@ class MRDHO2:
         num_accelerators: ``A``, ranks ``0..A-1``; the other ``J = C - A`` ranks are workers.
         lr, base, betas, momentum, eps: the workers' base optimizer.
         k, l, alpha, num_lanczos_iters, lanczos_dtype, reorth_passes, ritz_rtol,
-        paper_exact, seed: as in :class:`~tritonopt.optim.FOSI`.
+        eigenvalue_floor, paper_exact, seed: as in :class:`~tritonopt.optim.FOSI`.
         accumulated_gradient: ``"sum"`` (default, as printed) or ``"mean"``: how ``p`` enters eq. (17).
-        comm: a :class:`CountingCommunicator` (made if None).
+        comm: a :class:`CountingCommunicator` (made if None); its counters record every collective.
+        timeout: seconds or a ``timedelta`` for every process group MR-DHO2 creates
+            (a world copy and the accelerator, worker and bridge groups);
+            None: the world's timeout.
+        on_nonfinite: a worker gradient with NaN or inf: ``"skip"`` (warn, count
+            in :attr:`skipped_steps`, change nothing) or ``"raise"``.
 
-    Must be constructed on every rank at the same time (it creates process groups).
+    Must be constructed on every rank at the same time (it checks that the
+    ranks agree, then creates process groups). float64 models keep float64 buffers.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], *, num_accelerators: int, lr: float = 1e-3,
                  base: str = "adam", betas=(0.9, 0.999), momentum: float = 0.9, eps: float = 1e-8,
                  k: int = 10, l: int = 0, alpha: float = 0.1, num_lanczos_iters: Optional[int] = None,
                  lanczos_dtype: torch.dtype = torch.float64, reorth_passes: int = 2,
-                 ritz_rtol: float = 1e-6, paper_exact: bool = False,
+                 ritz_rtol: float = 1e-6, eigenvalue_floor: float = 1e-3, paper_exact: bool = False,
                  accumulated_gradient: str = "sum", seed: int = 0,
-                 comm: Optional[CountingCommunicator] = None):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("MRDHO2 needs an initialised torch.distributed process group")
+                 comm: Optional[CountingCommunicator] = None, timeout=None, on_nonfinite: str = "skip"):
+        _require_process_group("MRDHO2")
         world = dist.get_world_size()
-        if isinstance(num_accelerators, bool) or not isinstance(num_accelerators, int) or not 1 <= num_accelerators < world:
-            raise ValueError(f"num_accelerators must be an int in [1, world_size - 1 = {world - 1}], got {num_accelerators!r}")
-        if accumulated_gradient not in ("mean", "sum"):
-            raise ValueError(f"accumulated_gradient must be 'mean' or 'sum', got {accumulated_gradient!r}")
-        # A FOSI instance holds (and validates) the hyperparameters and the base state.
+        check_int("num_accelerators", num_accelerators, low=1, high=world - 1)
+        check_choice("accumulated_gradient", accumulated_gradient, ("sum", "mean"))
+        check_choice("on_nonfinite", on_nonfinite, ("skip", "raise"))
+        check_float("lr", lr, low=0.0)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        check_float("betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
+        check_float("betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
+        check_float("momentum", momentum, low=0.0, high=1.0)
+        check_float("eps", eps, low=0.0)
+        self.config = FOSIConfig(base=base, k=k, l=l, alpha=alpha, num_lanczos_iters=num_lanczos_iters,
+                                 lanczos_dtype=lanczos_dtype, reorth_passes=reorth_passes, paper_exact=paper_exact,
+                                 ritz_rtol=ritz_rtol, eigenvalue_floor=eigenvalue_floor, seed=seed)
         self.params = [p for p in params if p.requires_grad]
-        self._fosi = FOSI(self.params, lr, base=base, betas=betas, momentum=momentum, eps=eps, k=k, l=l,
-                          alpha=alpha, num_lanczos_iters=num_lanczos_iters, lanczos_dtype=lanczos_dtype,
-                          reorth_passes=reorth_passes, ritz_rtol=ritz_rtol, paper_exact=paper_exact, seed=seed)
+        if not self.params:
+            raise ValueError("MRDHO2 needs at least one trainable parameter")
+        if any(not p.is_floating_point() or p.is_complex() for p in self.params):
+            raise ValueError("MRDHO2 needs real floating-point parameters")
+        if len({p.device for p in self.params}) != 1:
+            raise ValueError("all MRDHO2 parameters must be on one device")
+        beta1 = momentum if base == "heavy_ball" else betas[0]
+        self.segments = [FOSIHyper(sum(p.numel() for p in self.params), lr, beta1, betas[1], eps)]
+        self.accumulated_gradient, self.on_nonfinite = accumulated_gradient, on_nonfinite
+        self.timeout = resolve_timeout(timeout)
         self.comm = CountingCommunicator() if comm is None else comm
         self.rank, self.world = dist.get_rank(), world
         self.accelerators = list(range(num_accelerators))
         self.workers = list(range(num_accelerators, world))
         self.first_worker = self.workers[0]
-        self.accelerator_group = dist.new_group(self.accelerators)
-        self.worker_group = dist.new_group(self.workers)
-        self.bridge_group = dist.new_group(self.accelerators + [self.first_worker])
         self.is_worker = self.rank >= num_accelerators
-        self.accumulated_gradient = accumulated_gradient
-        self.layout = BlockLayout(self.params, sum(p.numel() for p in self.params))
-        self.n = self.layout.total
+        self._collectives = GuardedCommunicator(self.comm, layer="MRDHO2", timeout=self.timeout)
+        # Every collective runs on a group created here with the timeout, the world's too.
+        self.world_group = timed_group(range(world), self.timeout, layer="MRDHO2")
+        device = self.params[0].device
+        settings = {
+            "model (shapes, dtypes)": _model_layout(self.params),
+            **dataclasses.asdict(self.config),
+            "base optimizer": (lr, tuple(betas), momentum, eps),
+            "accumulated_gradient": accumulated_gradient,
+            "world layout": (world, num_accelerators),
+        }
+        check_ranks_agree("MRDHO2", settings, comm=self._collectives, group=self.world_group, device=device)
+        self.accelerator_group = timed_group(self.accelerators, self.timeout, layer="MRDHO2")
+        self.worker_group = timed_group(self.workers, self.timeout, layer="MRDHO2")
+        self.bridge_group = timed_group(self.accelerators + [self.first_worker], self.timeout, layer="MRDHO2")
+        self.n = sum(p.numel() for p in self.params)
+        self.dtype = torch.float64 if all(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self.weights = torch.zeros(self.n, dtype=self.dtype, device=device)
+        self.grad = torch.zeros(self.n, dtype=self.dtype, device=device)
+        self.base_state = [torch.zeros(self.n, dtype=self.dtype, device=device)
+                           for _ in range({"adam": 2, "heavy_ball": 1, "sgd": 0}[base])]
+        self.base_step = 0
+        self.skipped_steps = 0
         self.epoch = 0
-        self._packed = self._fosi._ensure_packed()
         self._rows_shard: Optional[torch.Tensor] = None
-        self._values: Optional[torch.Tensor] = None
+        self._ritz = None
         self.memory: dict = {}
 
-    def _pack_weights(self) -> torch.Tensor:
-        self.layout.pack(self.params, self._packed.weights.view(1, -1))
-        return self._packed.weights
+    def _pack(self, tensors, out: torch.Tensor) -> torch.Tensor:
+        torch.cat([t.reshape(-1).to(self.dtype) for t in tensors], out=out)
+        return out
 
     @torch.no_grad()
-    def _unpack_weights(self, flat: torch.Tensor) -> None:
-        for p, value in zip(self.params, self.layout.views(flat.view(1, -1))):
-            p.copy_(value)
+    def _unpack(self, flat: torch.Tensor) -> None:
+        start = 0
+        for p in self.params:
+            p.copy_(flat[start : start + p.numel()].view(p.shape))
+            start += p.numel()
 
     @torch.no_grad()
     def begin_epoch(self, curvature_loss_fn: Optional[Callable[[], torch.Tensor]] = None) -> None:
@@ -266,27 +381,26 @@ class MRDHO2:
         ``curvature_loss_fn`` is needed on accelerators (the loss on their ESE
         batch, evaluated at the broadcast weights); workers may pass None.
         """
-        w = self._pack_weights()
+        w = self._pack(self.params, self.weights)
         if self.rank in self.accelerators or self.rank == self.first_worker:
-            self.comm.broadcast(w, src=self.first_worker, label="weights_broadcast", group=self.bridge_group)
+            self._collectives.broadcast(w, src=self.first_worker, label="weights_broadcast", group=self.bridge_group)
         if self.is_worker:
             self._checkpoint = w.clone()
             self._accumulated = torch.zeros_like(w)
             self._epoch_steps = 0
             return
-        self._unpack_weights(w)
+        self._unpack(w)
         if curvature_loss_fn is None:
             raise ValueError("curvature_loss_fn is required on accelerator ranks")
-        fosi = self._fosi
+        config = self.config
         with nvtx_range("tritonopt/mrdho2/ese"):
             result = distributed_lanczos(
-                make_hvp(self.params, curvature_loss_fn), self.n, fosi.lanczos_iters(self.n),
-                comm=self.comm, group=self.accelerator_group, dtype=fosi.lanczos_dtype,
-                device=w.device, passes=fosi.reorth_passes, seed=fosi.seed + self.epoch,
+                make_hvp(self.params, curvature_loss_fn, self.dtype), self.n, config.lanczos_iters(self.n),
+                comm=self._collectives, group=self.accelerator_group, dtype=config.lanczos_dtype,
+                device=w.device, passes=config.reorth_passes, seed=config.seed + self.epoch,
             )
-        values, u_sel = select_ritz(result.tridiag, fosi.k, fosi.l, fosi.ritz_rtol)
-        self._values = values
-        self._rows_shard = ritz_vectors(result.basis, u_sel)
+        self._ritz = extreme_ritz(result.tridiag, config.k, config.l, config.ritz_rtol)
+        self._rows_shard = ritz_vectors(result.basis, self._ritz.vectors, self.dtype)
         self.memory = lanczos_shard_report(result, self.n, len(self.accelerators))
 
     @torch.no_grad()
@@ -294,21 +408,23 @@ class MRDHO2:
         """A worker's first-order step on the averaged gradient (eq. 13); accelerators must not call it."""
         if not self.is_worker:
             raise RuntimeError("MRDHO2.step runs on worker ranks only")
-        grad = self._packed.grad
-        self.layout.pack([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params],
-                         grad.view(1, -1))
-        self.comm.all_reduce(grad, label="worker_grad_all_reduce", group=self.worker_group)
+        grad = self._pack([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params], self.grad)
+        self._collectives.all_reduce(grad, label="worker_grad_all_reduce", group=self.worker_group)
         grad.div_(len(self.workers))
-        if not bool(torch.isfinite(grad).all()):
-            self._fosi.skipped_steps += 1
+        if not math.isfinite(float(grad.abs().amax())):
+            if self.on_nonfinite == "raise":
+                raise FloatingPointError("MRDHO2: a gradient holds NaN or inf; nothing was modified")
+            self.skipped_steps += 1
+            warnings.warn("MRDHO2: a gradient holds NaN or inf; the step was skipped and parameters and "
+                          "state are unchanged", RuntimeWarning, stacklevel=2)
             return
-        fosi, group = self._fosi, self._fosi.param_groups[0]
-        fosi.base_step += 1
-        w = self._pack_weights()
-        empty = torch.zeros((0, self.n), dtype=torch.float32, device=w.device)
-        fosi_step(w, grad, empty, torch.zeros(0, device=w.device), base=fosi.base,
-                  state_a=self._packed.state_a, state_b=self._packed.state_b, **fosi._base_hyper(group))
-        self._unpack_weights(w)
+        w = self._pack(self.params, self.weights)
+        empty = w.new_zeros((0, self.n))
+        fosi_update(w, grad, empty, w.new_zeros(0), base=self.config.base, segments=self.segments,
+                    step=self.base_step + 1, state_a=self.base_state[0] if self.base_state else None,
+                    state_b=self.base_state[1] if len(self.base_state) > 1 else None)
+        self.base_step += 1
+        self._unpack(w)
         self._accumulated.add_(grad)
         self._epoch_steps += 1
 
@@ -317,24 +433,24 @@ class MRDHO2:
         """Scatter the Ritz vectors and values to the workers, which apply eq. (17)."""
         A, J = len(self.accelerators), len(self.workers)
         n_a = shard_size(self.n, A)
-        device = self._packed.weights.device
-        # How many Ritz pairs survived: known on accelerators, broadcast with the values.
-        # Both live on the weights' device: NCCL only moves device tensors.
-        count = torch.tensor([0 if self._values is None else self._values.numel()], dtype=torch.int64,
+        device = self.weights.device
+        # How many Ritz pairs survived: known on accelerators, broadcast with the values (and the
+        # spectrum's scale, for the eigenvalue floor). Both on the weights' device: NCCL moves device tensors.
+        count = torch.tensor([0 if self._ritz is None else self._ritz.values.numel()], dtype=torch.int64,
                              device=device)
-        self.comm.broadcast(count, src=0, label="eigenvalue_broadcast")
+        self._collectives.broadcast(count, src=0, label="eigenvalue_broadcast", group=self.world_group)
         r = int(count[0])
         if self.rank == 0:
-            known = self._values if self._values is not None else torch.zeros(0, dtype=torch.float64)
-            values = known.to(device=device, dtype=torch.float64, copy=True)
+            known = torch.cat([self._ritz.values, torch.tensor([self._ritz.scale], dtype=torch.float64)])
+            values = known.to(device=device, dtype=torch.float64)
         else:
-            values = torch.zeros(r, dtype=torch.float64, device=device)
-        self.comm.broadcast(values, src=0, label="eigenvalue_broadcast")
-        values = values.cpu()  # the Ritz values stay on the host, as in FOSI
+            values = torch.zeros(r + 1, dtype=torch.float64, device=device)
+        self._collectives.broadcast(values, src=0, label="eigenvalue_broadcast", group=self.world_group)
+        values, ritz_scale = values[:r].cpu(), float(values[r])  # the Ritz values stay on the host, as in FOSI
         splits = column_split(r, J)
         if self.is_worker:
             mine = splits[self.rank - A]
-            send = torch.zeros((0, n_a), dtype=torch.float32, device=device)
+            send = torch.zeros((0, n_a), dtype=self.dtype, device=device)
             in_splits = [0] * self.world
             out_splits = [mine] * A + [0] * J
         else:
@@ -342,21 +458,22 @@ class MRDHO2:
             in_splits = [0] * A + splits
             out_splits = [0] * self.world
             mine = 0
-        received = torch.empty((sum(out_splits), n_a), dtype=torch.float32, device=device)
-        self.comm.all_to_all_single(received, send, out_splits, in_splits, label="ritz_scatter")
+        received = torch.empty((sum(out_splits), n_a), dtype=self.dtype, device=device)
+        self._collectives.all_to_all_single(received, send, out_splits, in_splits, label="ritz_scatter",
+                                            group=self.world_group)
         self.epoch += 1
         if not self.is_worker:
             return
         j = self.rank - A
         start = sum(splits[:j])
         v = received.view(A, mine, n_a).permute(1, 0, 2).reshape(mine, A * n_a)[:, : self.n].contiguous()
-        scale = self._fosi.newton_scale(values[start : start + mine]).to(device)
-        w = self._pack_weights()
+        scale = self.config.newton_scale(values[start : start + mine], ritz_scale).to(device=device, dtype=self.dtype)
+        w = self._pack(self.params, self.weights)
         self._weights_after = final_update_local(
             v, scale, self._checkpoint, w, self._accumulated, max(self._epoch_steps, 1),
-            self.accumulated_gradient, comm=self.comm, group=self.worker_group,
+            self.accumulated_gradient, comm=self._collectives, group=self.worker_group,
         )
-        self._unpack_weights(self._weights_after)
+        self._unpack(self._weights_after)
 
 
 def final_update_local(v_j, scale_j, checkpoint, weights, accumulated, steps, mode, *, comm, group):

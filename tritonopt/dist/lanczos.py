@@ -35,9 +35,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from tritonopt._ops.lanczos import gram_schmidt_coefficients, gram_schmidt_subtract
 from tritonopt.dist._comm import CountingCommunicator
-from tritonopt.optim._lanczos import LanczosResult, default_breakdown_rtol, lanczos_loop
+from tritonopt.ops import gram_schmidt_coefficients, gram_schmidt_subtract
+from tritonopt.optim.lanczos import LanczosResult, check_lanczos_arguments, default_breakdown_rtol, lanczos_loop
 
 __all__ = ["column_split", "distributed_lanczos", "reconstruct_columns", "shard_size"]
 
@@ -68,16 +68,12 @@ def distributed_lanczos(
 ) -> LanczosResult:
     """Algorithm 2: Lanczos with this rank's row shard of ``D`` (``result.basis``: ``[steps, ceil(n/C)]``).
 
-    Same arguments as :func:`tritonopt.optim._lanczos.lanczos`, plus the
+    Same arguments as :func:`tritonopt.optim.lanczos.lanczos`, plus the
     communicator, the process group (default: the world) and the HVP mode.
     Every rank must call it with the same ``n``, ``num_iters`` and ``seed``.
+    Host synchronisations: one per iteration, as the single-process loop.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if isinstance(num_iters, bool) or not isinstance(num_iters, int) or num_iters < 1:
-        raise ValueError(f"num_iters must be an int >= 1, got {num_iters!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    check_lanczos_arguments(n, num_iters, dtype)
     comm = CountingCommunicator(group) if comm is None else comm
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     device = torch.device(device)

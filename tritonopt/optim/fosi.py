@@ -3,126 +3,260 @@
 Sivan, Gabel and Schuster, "FOSI: Hybrid First and Second Order Optimization"
 (ICLR 2024), as restated by Gu et al., "Accelerating Deep Neural Network
 Training via Distributed Hybrid Order Optimization", sec. II-B (eqs. 2-12).
+
+The arithmetic lives in :mod:`tritonopt.optim.functional` (``fosi_update``,
+``fosi_base_step``, ``fosi_newton_scale``, ``fosi_base_scale``) and
+:mod:`tritonopt.optim.lanczos`; :class:`FOSI` adds the schedule, the state and
+the guards. Where the subspace ``V`` lives and how sums over it are taken is
+one object, the *subspace* (:class:`LocalSubspace` here: all of ``V`` in this
+process). :class:`tritonopt.dist.DHO2` passes one that shards ``V`` over ranks
+and puts collectives between the same pieces.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
-from torch.optim import Optimizer
 
-from tritonopt._ops.fosi_step import fosi_step
 from tritonopt._runtime import nvtx_range
-from tritonopt.kernels.fosi_step import BASES, MAX_RANK
+from tritonopt._validation import check_bool, check_choice, check_float, check_int
 from tritonopt.optim._blocks import BlockLayout
-from tritonopt.optim._lanczos import (
+from tritonopt.optim._packed import PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim.functional import (
+    FOSI_BASES,
+    FOSIHyper,
+    fosi_base_scale,
+    fosi_newton_scale,
+    fosi_update,
+)
+from tritonopt.optim.lanczos import (
     default_breakdown_rtol,
     default_lanczos_iters,
+    extreme_ritz,
     lanczos,
     make_hvp,
     ritz_vectors,
-    select_ritz,
 )
 
-_NONFINITE_POLICIES = ("skip", "raise")
-# A finite gradient can still overflow the update (g2 squared in Adam, a huge Newton
-# step). While a bound on every intermediate stays below this, none can reach inf in
-# float32, so the base optimizer's state is copied (to undo a failed step) only above it.
+__all__ = ["FOSI", "Curvature", "FOSIConfig", "LocalSubspace"]
+
+# The fused update takes at most this many basis rows (k + l).
+MAX_RANK = 64
+# Overflow guard. While a bound on every intermediate of the update stays below
+# this, nothing can reach inf in float32, and adding less than it to a finite
+# float32 value cannot overflow either (half an ulp at float32's maximum is 2^103).
 _OVERFLOW_GUARD = 1e15
 _BASE_STATE = {"adam": ("exp_avg", "exp_avg_sq"), "heavy_ball": ("momentum_buffer",), "sgd": ()}
+_GLOBAL_KEYS = ("eigenvalues", "all_eigenvalues", "ritz_scale", "g1_velocity", "base_scale", "step",
+                "base_step", "ese_count", "velocity_bound")
 
 
-def _check_number(name: str, value, *, low: float = -math.inf, high: float = math.inf,
-                  low_open: bool = False, high_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
-        value < high if high_open else value <= high)
-    if not ok:
-        lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
-        raise ValueError(f"{name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}")
+@dataclass(frozen=True)
+class FOSIConfig:
+    """FOSI's settings shared by every parameter group (see :class:`FOSI` for their meaning); validated."""
 
+    base: str = "adam"
+    k: int = 10
+    l: int = 0
+    alpha: float = 0.1
+    num_lanczos_iters: Optional[int] = None
+    warmup_steps: Optional[int] = 0
+    curvature_update_every: int = 100
+    lanczos_dtype: torch.dtype = torch.float64
+    reorth_passes: int = 2
+    paper_exact: bool = False
+    g1_momentum: float = 0.0
+    learning_rate_clip: float = 1.0
+    ritz_rtol: float = 1e-6
+    eigenvalue_floor: float = 1e-3
+    seed: int = 0
 
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    def __post_init__(self) -> None:
+        check_choice("base", self.base, FOSI_BASES)
+        check_int("k", self.k, low=0)
+        check_int("l", self.l, low=0)
+        if self.k + self.l > MAX_RANK:
+            raise ValueError(f"k + l must be at most {MAX_RANK}, got {self.k + self.l}")
+        check_float("alpha", self.alpha, low=0.0)
+        if self.num_lanczos_iters is not None:
+            check_int("num_lanczos_iters", self.num_lanczos_iters, low=1)
+        if self.warmup_steps is not None:
+            check_int("warmup_steps", self.warmup_steps, low=0)
+        check_int("curvature_update_every", self.curvature_update_every, low=1)
+        if self.lanczos_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"lanczos_dtype must be torch.float32 or torch.float64, got {self.lanczos_dtype}")
+        check_int("reorth_passes", self.reorth_passes, low=1, high=3)
+        check_bool("paper_exact", self.paper_exact)
+        check_float("g1_momentum", self.g1_momentum, low=0.0, high=1.0, high_open=True)
+        check_float("learning_rate_clip", self.learning_rate_clip, low=1.0)
+        if self.paper_exact and (self.g1_momentum or self.learning_rate_clip != 1.0):
+            raise ValueError("paper_exact=True is eqs. (11)-(12) as printed: it takes g1_momentum=0 "
+                             "and learning_rate_clip=1")
+        check_float("ritz_rtol", self.ritz_rtol, low=0.0, high=1.0)
+        check_float("eigenvalue_floor", self.eigenvalue_floor, low=0.0, high=1.0)
+        check_int("seed", self.seed, low=0)
 
+    @property
+    def first_curvature_step(self) -> int:
+        """The update index (0-based) before which the first ESE runs."""
+        return self.curvature_update_every - 1 if self.warmup_steps is None else self.warmup_steps
 
-def _check_group(group: dict) -> None:
-    if isinstance(group["lr"], torch.Tensor):
-        raise TypeError("lr must be a float (a tensor lr is not supported)")
-    _check_number("lr", group["lr"], low=0.0)
-    betas = group["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    _check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
-    _check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
-    _check_number("momentum", group["momentum"], low=0.0, high=1.0)
-    _check_number("eps", group["eps"], low=0.0)
+    def curvature_due(self, step: int) -> bool:
+        """Whether the ESE runs before update ``step`` (0-based)."""
+        first = self.first_curvature_step
+        return self.k + self.l > 0 and step >= first and (step - first) % self.curvature_update_every == 0
+
+    def lanczos_iters(self, n: int) -> int:
+        if self.num_lanczos_iters is not None:
+            return min(self.num_lanczos_iters, n)
+        return default_lanczos_iters(self.k, self.l, n)
+
+    def g1_decay_gain(self) -> tuple[float, float]:
+        """``(decay, gain)`` of the coefficient-space velocity: an EMA for Adam, a momentum sum otherwise."""
+        d = self.g1_momentum
+        return d, (1.0 - d) if self.base == "adam" else 1.0
+
+    def newton_scale(self, eigenvalues: torch.Tensor, ritz_scale: float) -> torch.Tensor:
+        """:func:`~tritonopt.optim.functional.fosi_newton_scale` with these settings (float64)."""
+        return fosi_newton_scale(eigenvalues.double(), self.alpha, floor=self.eigenvalue_floor,
+                                 ritz_scale=ritz_scale, signed=self.paper_exact)
 
 
 @dataclass
-class _Packed:
-    """The flat buffers of the FOSI vector; per-parameter state entries are views of them."""
+class Curvature:
+    """One extreme-spectrum estimate, as a subspace hands it to :class:`FOSI`.
 
-    layout: BlockLayout
-    weights: torch.Tensor  # [n] fp32 working copy of the parameters
-    grad: torch.Tensor  # [n] fp32
-    state_a: Optional[torch.Tensor]
-    state_b: Optional[torch.Tensor]
-    basis: torch.Tensor  # [r, n] fp32 (DHO2: this rank's rows)
+    ``values`` (``[r_here]`` float64) and ``basis`` (``[r_here, n]``, orthonormal
+    rows) are the Ritz pairs this process applies; ``all_values`` (``[r]``
+    float64, ascending) every selected Ritz value; ``ritz_scale`` the largest
+    ``|Ritz value|`` of the estimate; ``report`` what the estimate held.
+    """
+
+    values: torch.Tensor
+    basis: torch.Tensor
+    all_values: torch.Tensor
+    ritz_scale: float
+    report: dict
 
 
-class FOSI(Optimizer):
+class LocalSubspace:
+    """FOSI's subspace held whole in this process (the default of :class:`FOSI`).
+
+    A subspace is the object through which FOSI reaches ``V``; another one
+    (DHO2's, which shards ``V`` over ranks) provides the same methods:
+
+    * ``reduce_gradient(grad)``: make the flat gradient the one every process uses;
+    * ``extreme_spectrum(hvp, n, config, *, dtype, device, seed) -> Curvature``;
+    * ``carry_velocity(new_basis, old_basis, velocity)``: ``V_new V_old^T z``;
+    * ``update(weights, grad, basis, newton_scale, *, all_rows, **kwargs)``: one
+      update (the arguments of :func:`~tritonopt.optim.functional.fosi_update`;
+      ``all_rows`` counts the rows of ``V`` over every process);
+    * ``identity()`` (extra entries of a checkpoint) and
+      ``check_checkpoint(entry, device, problem)``: raise ``problem`` (what this
+      process found wrong with a state dict), or another reason a load does
+      not belong here, before anything changes.
+    """
+
+    def reduce_gradient(self, grad: torch.Tensor) -> None:
+        return None
+
+    def extreme_spectrum(self, hvp, n: int, config: FOSIConfig, *, dtype, device, seed: int) -> Curvature:
+        result = lanczos(hvp, n, config.lanczos_iters(n), dtype=config.lanczos_dtype, device=device,
+                         passes=config.reorth_passes, seed=seed,
+                         breakdown_rtol=default_breakdown_rtol(config.lanczos_dtype))
+        ritz = extreme_ritz(result.tridiag, config.k, config.l, config.ritz_rtol)
+        report = {"steps": result.steps, "breakdown": result.breakdown, "basis_numel": result.basis.numel(),
+                  "basis_shape": tuple(result.basis.shape)}
+        return Curvature(ritz.values, ritz_vectors(result.basis, ritz.vectors, dtype), ritz.values, ritz.scale,
+                         report)
+
+    def carry_velocity(self, new_basis: torch.Tensor, old_basis: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+        return new_basis @ (velocity @ old_basis)
+
+    def update(self, weights, grad, basis, newton_scale, *, all_rows: int, **kwargs) -> None:
+        fosi_update(weights, grad, basis, newton_scale, **kwargs)
+
+    def identity(self) -> dict:
+        return {}
+
+    def check_checkpoint(self, entry, device: torch.device, problem: Optional[Exception]) -> None:
+        if problem is not None:
+            raise problem
+
+
+class FOSI(PackedOptimizer):
     r"""FOSI with a choice of base optimizer (Adam, heavy-ball, SGD) on one flat parameter vector.
 
     Stages (Gu et al. sec. II-B):
 
-    1. warm-up: the first ``warmup_steps`` updates are plain base-optimizer steps (eq. 2);
-    2. ESE: before update ``t`` with ``t >= warmup_steps`` and
+    1. warm-up: the first updates are plain base-optimizer steps (eq. 2);
+    2. ESE: before update ``t`` (0-based) with ``t >= warmup_steps`` and
        ``(t - warmup_steps) % curvature_update_every == 0``, Lanczos (``m``
        iterations, full re-orthogonalisation) on the Hessian of
        ``curvature_loss_fn`` at the current weights gives the ``k`` largest and
        ``l`` smallest Ritz pairs ``(lambda_j, v_j)`` (rows of ``V``);
-    3. update (eqs. 11-12)::
+    3. update (eqs. 11-12), for the parameters of group ``i``::
 
            g1 = V^T V g,  g2 = g - g1
-           w += -V^T (s * V g) + b (I - V^T V) O(g2),    s_j = alpha / |lambda_j|
+           w <- (1 - lr_i wd_i) w - rho_i V^T (s * V g) + b (I - V^T V) O_i(g2)
+           s_j = alpha / max(|lambda_j|, eigenvalue_floor * max|u|),  rho_i = lr_i / initial_lr_i
 
-       ``O`` is the base optimizer's step (sign and rate included), run on
-       ``g2`` only, so its state never sees the Newton subspace.
+       ``O_i`` is the base optimizer's step with group ``i``'s hyperparameters
+       (sign and rate included), run on ``g2`` only, so its state never sees
+       the Newton subspace; ``max|u|`` the largest ``|Ritz value|``.
 
     Before the first ESE, or with ``k + l = 0``, ``V`` is empty and the update is
     exactly the base optimizer's step.
 
+    **The Newton step follows the learning rate.** ``alpha`` is its scale at
+    each group's initial learning rate (``initial_lr``, recorded when the group
+    is added, the key ``torch.optim.lr_scheduler`` reads): a scheduler that
+    changes ``lr`` scales the Newton step by the same factor, and with
+    ``lr = 0`` no parameter moves. (A group created with ``lr = 0`` applies
+    ``alpha`` itself once its ``lr`` is positive.)
+
+    **Parameter groups.** The curvature couples every parameter, so all
+    trainable parameters of all groups form one vector with one basis ``V``
+    and one ESE. Each group may set its own ``lr``, ``weight_decay`` and base
+    hyperparameters (``betas``, ``momentum``, ``eps``); the settings of
+    :class:`FOSIConfig` (``base``, ``k``, ``alpha``, the schedule, ...) are
+    shared. When every group has the same base hyperparameters and Newton
+    factor the update is one fused call; otherwise the base step runs per group.
+
     Args:
-        params: the parameters (one group). All trainable parameters form one
-            vector: the curvature couples them, so each step needs a gradient
-            for every parameter with ``requires_grad`` (a step where none has one
-            is a no-op; a partial set raises ``RuntimeError``).
-        lr, betas, eps: base optimizer (Adam uses ``betas``; heavy-ball uses
+        params: parameters or parameter groups. Every trainable parameter needs a
+            gradient at each step (a step where none has one is a no-op; a
+            partial set raises ``RuntimeError``). All on one device.
+        lr, betas, eps, momentum: base optimizer (Adam uses ``betas``; heavy-ball
             ``momentum``: ``a = momentum a + g2; w -= lr a``).
+        weight_decay: decoupled weight decay, ``w <- (1 - lr wd) w`` before the
+            update (outside the Hessian, which is the loss's only).
         base: ``"adam"`` (default), ``"heavy_ball"`` or ``"sgd"``.
         k, l: number of largest / smallest eigenpairs (``k + l <= 64``).
-        alpha: Newton step scale.
+        alpha: Newton step scale at the initial learning rate.
         num_lanczos_iters: ``m``; default ``max(4 (k + l), 2 ln n)``, clamped to ``n``.
         warmup_steps, curvature_update_every: the ESE schedule above.
+            ``warmup_steps=None`` is the FOSI reference code's default
+            (``warmup_w = None``): the first ESE after ``curvature_update_every - 1``
+            base steps. Its ``warmup_w = W >= 1`` is ``warmup_steps = W - 1`` here.
         curvature_loss_fn: zero-argument callable returning the scalar loss
             whose Hessian is estimated. It is called once per ESE (then one
-            extra backward per Lanczos iteration) on **whatever batch it closes
-            over**; a fixed "ESE batch" (as in the FOSI reference code) gives a
-            deterministic estimate. ``None``: no scheduled ESE; call
-            :meth:`update_curvature` yourself.
+            extra backward per Lanczos iteration, with scaled-dot-product
+            attention on its math backend, which has a double backward) on
+            **whatever batch it closes over**; a fixed "ESE batch" (as in the
+            FOSI reference code) gives a deterministic estimate. ``None``: no
+            scheduled ESE; call :meth:`update_curvature` yourself. A copy
+            (``copy.deepcopy``) keeps the same function: give the copy its own.
         lanczos_dtype: float64 (default, as the FOSI reference) or float32.
         reorth_passes: Gram-Schmidt rounds per Lanczos iteration (2 = CGS2, default).
-        paper_exact: use ``s_j = alpha / lambda_j`` (signed, eq. 11 as printed)
+        paper_exact: ``s_j = alpha / lambda_j`` (signed, eq. 11 as printed)
             instead of ``alpha / |lambda_j|`` (reference code; a negative Ritz
-            value otherwise turns the Newton step uphill). Also forces
+            value otherwise turns the Newton step uphill); needs
             ``g1_momentum = 0`` and ``learning_rate_clip = 1``.
         g1_momentum: momentum on the Newton subspace's coefficients (reference
             code: ``decay``; Adam: EMA ``z = d z + (1-d) V g``, others
@@ -131,23 +265,36 @@ class FOSI(Optimizer):
         learning_rate_clip: ``b = clip(lambda_max / lambda_(k), 1, learning_rate_clip)``
             scales the base step (reference code); 1 (default) disables it.
         ritz_rtol: Ritz values with ``|lambda| <= ritz_rtol * max|u|`` are dropped.
-        eigenvalue_floor: ``|lambda|`` is clamped to at least this in ``s_j`` (default 1e-3).
+        eigenvalue_floor: ``|lambda_j|`` is clamped to at least
+            ``eigenvalue_floor * max|u|`` in ``s_j`` (relative, so the Newton
+            step does not depend on the loss's scale; default 1e-3).
         seed: seeds Lanczos' start vector (ESE number ``e`` uses ``seed + e``).
         on_nonfinite: non-finite gradients: ``"skip"`` (default: nothing
             changes, a warning, :attr:`skipped_steps` counts it) or ``"raise"``
             (``FloatingPointError``, nothing changes). An ESE whose Hessian
             products are not finite keeps the previous curvature and warns. A
             finite gradient large enough that the update could overflow (a
-            bound on it exceeds 1e15) makes the step copy the base optimizer's
-            state first; if the parameters or that state turn non-finite, the
-            step is undone and counted like a non-finite gradient.
+            bound on it, computed from the gradient's largest entry, exceeds
+            1e15) makes the step copy the state first and check the result; if
+            it is not finite the step is undone, including an ESE it ran, and
+            counted like a non-finite gradient.
 
-    State (per parameter, float32, views of flat buffers): ``exp_avg`` and
-    ``exp_avg_sq`` (Adam) or ``momentum_buffer`` (heavy-ball), and
-    ``eigenvectors`` (``[r, *param.shape]``: the parameter's slice of ``V``).
-    Global state (``state_dict()["fosi"]``): ``eigenvalues`` (float64),
-    ``g1_velocity``, ``base_scale``, ``step``, ``base_step``, ``ese_count``,
-    ``skipped_steps``.
+    Precision: float32, float16 and bfloat16 parameters are updated through a
+    float32 copy (the fused op); float64 parameters (all of them float64) keep
+    every buffer, the basis and the Hessian-vector products in float64.
+
+    Host synchronisations: one per step (the gradient's largest entry, read for
+    the non-finite policy and the overflow bound), a second only on a step the
+    bound flags; one per Lanczos iteration during an ESE.
+
+    State (per parameter, views of flat buffers, float32 or float64 as above):
+    ``exp_avg`` and ``exp_avg_sq`` (Adam) or ``momentum_buffer`` (heavy-ball),
+    and ``eigenvectors`` (``[r, *param.shape]``: the parameter's slice of ``V``).
+    Global state (``state_dict()["fosi"]``): ``eigenvalues`` and
+    ``all_eigenvalues`` (float64), ``ritz_scale``, ``g1_velocity``,
+    ``base_scale``, ``step``, ``base_step``, ``ese_count``, ``velocity_bound``.
+    ``copy.deepcopy``, ``pickle`` and a ``state_dict`` round trip through
+    ``torch.load(weights_only=True)`` resume bit for bit.
     """
 
     def __init__(
@@ -159,11 +306,12 @@ class FOSI(Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         momentum: float = 0.9,
         eps: float = 1e-8,
+        weight_decay: float = 0.0,
         k: int = 10,
         l: int = 0,
         alpha: float = 0.1,
         num_lanczos_iters: Optional[int] = None,
-        warmup_steps: int = 0,
+        warmup_steps: Optional[int] = 0,
         curvature_update_every: int = 100,
         curvature_loss_fn: Optional[Callable[[], torch.Tensor]] = None,
         lanczos_dtype: torch.dtype = torch.float64,
@@ -175,244 +323,306 @@ class FOSI(Optimizer):
         eigenvalue_floor: float = 1e-3,
         seed: int = 0,
         on_nonfinite: str = "skip",
+        subspace=None,
     ):
-        if base not in BASES:
-            raise ValueError(f"base must be one of {BASES}, got {base!r}")
-        _check_int("k", k, 0)
-        _check_int("l", l, 0)
-        if k + l > MAX_RANK:
-            raise ValueError(f"k + l must be at most {MAX_RANK}, got {k + l}")
-        _check_number("alpha", alpha, low=0.0)
-        if num_lanczos_iters is not None:
-            _check_int("num_lanczos_iters", num_lanczos_iters, 1)
-        _check_int("warmup_steps", warmup_steps, 0)
-        _check_int("curvature_update_every", curvature_update_every, 1)
+        self.config = FOSIConfig(
+            base=base, k=k, l=l, alpha=alpha, num_lanczos_iters=num_lanczos_iters, warmup_steps=warmup_steps,
+            curvature_update_every=curvature_update_every, lanczos_dtype=lanczos_dtype,
+            reorth_passes=reorth_passes, paper_exact=paper_exact, g1_momentum=g1_momentum,
+            learning_rate_clip=learning_rate_clip, ritz_rtol=ritz_rtol, eigenvalue_floor=eigenvalue_floor,
+            seed=seed,
+        )
         if curvature_loss_fn is not None and not callable(curvature_loss_fn):
             raise TypeError("curvature_loss_fn must be callable (or None)")
-        if lanczos_dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"lanczos_dtype must be torch.float32 or torch.float64, got {lanczos_dtype}")
-        if isinstance(reorth_passes, bool) or reorth_passes not in (1, 2, 3):
-            raise ValueError(f"reorth_passes must be 1, 2 or 3, got {reorth_passes!r}")
-        _check_number("g1_momentum", g1_momentum, low=0.0, high=1.0, high_open=True)
-        _check_number("learning_rate_clip", learning_rate_clip, low=1.0)
-        _check_number("ritz_rtol", ritz_rtol, low=0.0, high=1.0)
-        _check_number("eigenvalue_floor", eigenvalue_floor, low=0.0)
-        _check_int("seed", seed, 0)
-        if on_nonfinite not in _NONFINITE_POLICIES:
-            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
-        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas,
-                        momentum=momentum, eps=eps)
-        _check_group(defaults)
-        self.base = base
-        self.k, self.l, self.alpha = k, l, float(alpha)
-        self.num_lanczos_iters = num_lanczos_iters
-        self.warmup_steps, self.curvature_update_every = warmup_steps, curvature_update_every
         self.curvature_loss_fn = curvature_loss_fn
-        self.lanczos_dtype, self.reorth_passes = lanczos_dtype, reorth_passes
-        self.paper_exact = bool(paper_exact)
-        self.g1_momentum = 0.0 if paper_exact else float(g1_momentum)
-        self.learning_rate_clip = 1.0 if paper_exact else float(learning_rate_clip)
-        self.ritz_rtol, self.seed, self.on_nonfinite = float(ritz_rtol), seed, on_nonfinite
-        self.eigenvalue_floor = float(eigenvalue_floor)
-        # Global (not per-parameter) state.
+        self.subspace = LocalSubspace() if subspace is None else subspace
         self.step_count = 0  # updates applied
         self.base_step = 0  # base-optimizer steps (Adam's bias correction)
         self.ese_count = 0
-        self.skipped_steps = 0
-        self.eigenvalues = torch.zeros(0, dtype=torch.float64)  # the ones this rank uses
+        self.eigenvalues = torch.zeros(0, dtype=torch.float64)  # the ones this process applies
         self.all_eigenvalues = torch.zeros(0, dtype=torch.float64)  # every selected Ritz value
+        self.ritz_scale = 0.0
         self.base_scale = 1.0
         self.g1_velocity: Optional[torch.Tensor] = None
+        self.velocity_bound = 0.0  # bound on the (global) norm of g1_velocity
         self.last_lanczos: dict = {}
-        self._packed: Optional[_Packed] = None
-        super().__init__(params, defaults)
+        self._newton_scale: Optional[torch.Tensor] = None  # on the parameters' device, derived
+        self._scale_max = 0.0
+        self._state_bound: Optional[float] = None  # bound on max|state_a|; None: measure it
+        self._checked_settings: Optional[list] = None  # the groups' settings the last step validated
+        defaults = dict(lr=lr, betas=betas, momentum=momentum, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, on_nonfinite)
+
+    # ------------------------------------------------------------------ settings
+
+    def _check_group(self, group: dict) -> None:
+        check_float("lr", group["lr"], low=0.0)
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        check_float("betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
+        check_float("betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
+        check_float("momentum", group["momentum"], low=0.0, high=1.0)
+        check_float("eps", group["eps"], low=0.0)
+        check_float("weight_decay", group["weight_decay"], low=0.0)
+        if "initial_lr" in group:
+            check_float("initial_lr", group["initial_lr"], low=0.0)
 
     def add_param_group(self, param_group: dict) -> None:
-        if self.param_groups:
-            raise ValueError(
-                "FOSI takes one parameter group: its curvature couples all parameters into one vector"
-            )
+        if isinstance(param_group.get("betas"), list):
+            param_group = {**param_group, "betas": tuple(param_group["betas"])}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if isinstance(group["betas"], list):
-            group["betas"] = tuple(group["betas"])
-        _check_group(group)
-        for p in group["params"]:
-            if p.is_complex():
-                raise ValueError("FOSI does not support complex parameters")
-            if not p.is_floating_point():
-                raise ValueError(f"FOSI needs floating-point parameters, got {p.dtype}")
+        group.setdefault("initial_lr", group["lr"])
+
+    def _group_settings(self) -> list[tuple]:
+        """Each group's hyperparameters, as the update reads them (compared to skip repeated checks)."""
+        return [(g["lr"], g["betas"], g["momentum"], g["eps"], g["weight_decay"], g["initial_lr"])
+                for g in self.param_groups]
+
+    def _check_settings(self) -> list[tuple]:
+        """The groups' settings, validated unless they are the ones the last step validated."""
+        settings = self._group_settings()
+        if settings != self._checked_settings:
+            for group in self.param_groups:
+                self._check_group(group)
+            self._checked_settings = settings
+        return settings
+
+    def _segments(self, settings: list[tuple], sizes: list[int]) -> list[FOSIHyper]:
+        """Each group's slice of the vector with its hyperparameters (groups without trainable parameters skipped)."""
+        segments, stop = [], 0
+        for (lr, betas, momentum, eps, weight_decay, initial), size in zip(settings, sizes):
+            if not size:
+                continue
+            stop += size
+            rho = lr / initial if initial > 0 else float(lr > 0)
+            beta1 = momentum if self.config.base == "heavy_ball" else betas[0]
+            segments.append(FOSIHyper(stop, lr, beta1, betas[1], eps, weight_decay, rho))
+        return segments
 
     # ------------------------------------------------------------------ layout and state
 
     def _trainable(self) -> list[torch.Tensor]:
-        return [p for p in self.param_groups[0]["params"] if p.requires_grad]
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
-    def _base_state_names(self) -> tuple[str, ...]:
-        return _BASE_STATE[self.base]
+    def _work_dtype(self, params: Sequence[torch.Tensor]) -> torch.dtype:
+        return torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
 
-    def _ensure_packed(self) -> _Packed:
+    def _ensure_packed(self) -> PackedGroup:
+        """The flat buffers of the trainable parameters (rebuilt from the per-parameter state when stale)."""
         params = self._trainable()
-        if self._packed is not None and self._packed.layout.matches(params):
-            return self._packed
+        packed = self._packed.get(0)
+        if packed is not None and packed.layout.matches(params):
+            return packed
         if not params:
             raise RuntimeError("FOSI has no trainable parameters")
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"all FOSI parameters must be on one device, found {sorted(map(str, devices))}")
         layout = BlockLayout(params, sum(p.numel() for p in params))
-        n = layout.total
-        names = self._base_state_names()
-        flat = [layout.zeros().view(-1) for _ in names]
-        stored = [bool(self.state[p]) for p in params]
-        if any(stored) and not all(stored):
-            raise RuntimeError("FOSI state exists for some parameters but not others")
-        rank = self.state[params[0]]["eigenvectors"].shape[0] if stored[0] else 0
-        basis = torch.zeros((rank, n), dtype=torch.float32, device=layout.device)
+        dtype = self._work_dtype(params)
+        # Parameters added since the last step (a new group) start with zero state, and with
+        # zero columns in V: the Newton step reaches them from the next ESE on.
+        stored = [p for p in params if "eigenvectors" in self.state[p]]
+        rank = self.state[stored[0]]["eigenvectors"].shape[0] if stored else 0
+        buffers = bind_flat_state(self.state, layout, list(_BASE_STATE[self.config.base]), dtype)
+        basis = torch.zeros((rank, layout.total), dtype=dtype, device=layout.device)
         for p, start, numel in zip(params, layout.offsets, layout.numels):
-            state = self.state[p]
-            for name, buf in zip(names, flat):
-                view = buf[start : start + numel].view(p.shape)
-                if stored[0]:
-                    view.copy_(state[name].reshape(p.shape))
-                state[name] = view
-            if stored[0]:
-                basis[:, start : start + numel].copy_(state["eigenvectors"].reshape(rank, numel))
-        packed = _Packed(
-            layout=layout,
-            weights=torch.zeros(n, dtype=torch.float32, device=layout.device),
-            grad=torch.zeros(n, dtype=torch.float32, device=layout.device),
-            state_a=flat[0] if names else None,
-            state_b=flat[1] if len(names) > 1 else None,
-            basis=basis,
-        )
-        self._packed = packed
-        self._bind_basis_views()
+            if "eigenvectors" in self.state[p]:
+                basis[:, start : start + numel].copy_(self.state[p]["eigenvectors"].reshape(rank, numel))
+        flat = {name: buffer.view(-1) for name, buffer in buffers.items()}
+        packed = PackedGroup(layout, {**flat, "basis": basis},
+                             {"grad": layout.zeros(dtype).view(-1), "weights": layout.zeros(dtype).view(-1)})
+        packed.group_sizes = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in self.param_groups]
+        packed.weight_views = layout.views(packed.weights)
+        self._packed[0] = packed
+        self._bind_basis_views(packed)
         if self.g1_velocity is None or self.g1_velocity.shape[0] != rank:
-            self.g1_velocity = torch.zeros(rank, dtype=torch.float32, device=layout.device)
+            self.g1_velocity = torch.zeros(rank, dtype=dtype, device=layout.device)
+        else:
+            self.g1_velocity = self.g1_velocity.to(device=layout.device, dtype=dtype)
+        self._derive_newton_scale(layout.device, dtype)
+        self._state_bound = None  # measured at the next step
         return packed
 
-    def _bind_basis_views(self) -> None:
-        packed = self._packed
-        rank = packed.basis.shape[0]
+    def _bind_basis_views(self, packed: PackedGroup) -> None:
+        basis = packed.basis
+        rank = basis.shape[0]
         for p, start, numel in zip(packed.layout.tensors, packed.layout.offsets, packed.layout.numels):
-            self.state[p]["eigenvectors"] = packed.basis[:, start : start + numel].view(rank, *p.shape)
+            self.state[p]["eigenvectors"] = basis[:, start : start + numel].view(rank, *p.shape)
+
+    def _state_buffers(self, packed: PackedGroup) -> list[torch.Tensor]:
+        return [packed.state[name] for name in _BASE_STATE[self.config.base]]
+
+    # ------------------------------------------------------------------ checkpoints and copies
 
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["fosi"] = {
             "eigenvalues": self.eigenvalues.clone(),
             "all_eigenvalues": self.all_eigenvalues.clone(),
+            "ritz_scale": self.ritz_scale,
             "g1_velocity": None if self.g1_velocity is None else self.g1_velocity.clone(),
             "base_scale": self.base_scale,
             "step": self.step_count,
             "base_step": self.base_step,
             "ese_count": self.ese_count,
-            "skipped_steps": self.skipped_steps,
+            "velocity_bound": self.velocity_bound,
+            **self.subspace.identity(),
         }
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("fosi", None)
-        if extra is None:
-            raise ValueError("state_dict has no 'fosi' entry: it was not saved by FOSI")
-        saved_state = state_dict["state"]
-        saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
-        for group in state_dict["param_groups"]:
-            _check_group({**group, "betas": tuple(group["betas"])})
-        self._check_saved_extra(extra, [saved_state[i] for i in saved_ids if i in saved_state])
+        """Restore a :meth:`state_dict`; a malformed or foreign one raises before anything changes."""
+        extra, problem = None, None
+        try:
+            if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+                raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (an optimizer's "
+                                 "state_dict)")
+            state_dict = dict(state_dict)
+            extra = state_dict.pop("fosi", None)
+            if extra is None:
+                raise ValueError("state_dict has no 'fosi' entry: it was not saved by FOSI")
+            self._check_saved(state_dict, extra)
+        except (TypeError, ValueError) as exc:
+            problem = exc
+        device = self._trainable()[0].device if self._trainable() else torch.device("cpu")
+        # Raises ``problem``; a distributed subspace first agrees with the other ranks.
+        self.subspace.check_checkpoint(extra, device, problem)
         super().load_state_dict(state_dict)
-        params = list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
-        for saved_id, p in zip(saved_ids, params):
-            if saved_id not in saved_state:
-                continue
-            for name, value in saved_state[saved_id].items():
-                if isinstance(value, torch.Tensor):  # undo the base class's cast to the param dtype
-                    self.state[p][name] = value.to(device=p.device, dtype=torch.float32, copy=True)
-        self.param_groups[0]["betas"] = tuple(self.param_groups[0]["betas"])
-        device = params[0].device if params else torch.device("cpu")
+        for group in self.param_groups:
+            group["betas"] = tuple(group["betas"])
+            group.setdefault("initial_lr", group["lr"])
         self.eigenvalues = extra["eigenvalues"].to(torch.float64).clone()
         self.all_eigenvalues = extra["all_eigenvalues"].to(torch.float64).clone()
+        self.ritz_scale = float(extra["ritz_scale"])
         velocity = extra["g1_velocity"]
-        self.g1_velocity = None if velocity is None else velocity.to(device=device, dtype=torch.float32).clone()
+        self.g1_velocity = None if velocity is None else velocity.to(device=device, copy=True)
         self.base_scale = float(extra["base_scale"])
         self.step_count, self.base_step = int(extra["step"]), int(extra["base_step"])
-        self.ese_count, self.skipped_steps = int(extra["ese_count"]), int(extra["skipped_steps"])
-        self._packed = None
+        self.ese_count = int(extra["ese_count"])
+        self.velocity_bound = float(extra["velocity_bound"])
 
-    def _check_saved_extra(self, extra, saved_states: list) -> None:
-        """Validate the global FOSI state (and its agreement with the per-parameter state) before loading."""
+    def _check_saved(self, state_dict: dict, extra) -> None:
+        """Everything a load relies on, checked before anything changes (names the first problem)."""
         if not isinstance(extra, dict):
             raise ValueError(f"state_dict['fosi'] must be a dict, got {type(extra).__name__}")
-        required = ("eigenvalues", "all_eigenvalues", "g1_velocity", "base_scale", "step", "base_step",
-                    "ese_count", "skipped_steps")
-        missing = [key for key in required if key not in extra]
+        missing = [key for key in _GLOBAL_KEYS if key not in extra]
         if missing:
             raise ValueError(f"state_dict['fosi'] lacks {missing}")
         for key in ("eigenvalues", "all_eigenvalues"):
             value = extra[key]
-            if not isinstance(value, torch.Tensor) or value.dim() != 1:
-                raise ValueError(f"state_dict['fosi'][{key!r}] must be a 1-D tensor")
+            if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
+                raise ValueError(f"state_dict['fosi'][{key!r}] must be a 1-D float tensor")
+            if value.numel() > self.config.k + self.config.l:
+                raise ValueError(f"state_dict['fosi'][{key!r}] holds {value.numel()} Ritz values but this "
+                                 f"optimizer keeps at most k + l = {self.config.k + self.config.l}")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"state_dict['fosi'][{key!r}] holds NaN or inf")
+        for key in ("ritz_scale", "base_scale", "velocity_bound"):
+            check_float(f"state_dict['fosi'][{key!r}]", extra[key], low=0.0)
+        for key in ("step", "base_step", "ese_count"):
+            check_int(f"state_dict['fosi'][{key!r}]", extra[key], low=0)
         rank = extra["eigenvalues"].numel()
-        for state in saved_states:
-            vectors = state.get("eigenvectors")
-            if isinstance(vectors, torch.Tensor) and vectors.shape[0] != rank:
-                raise ValueError(
-                    f"state_dict holds {rank} eigenvalues but eigenvectors with {vectors.shape[0]} rows"
-                )
         velocity = extra["g1_velocity"]
-        if velocity is not None and (not isinstance(velocity, torch.Tensor) or velocity.dim() != 1):
-            raise ValueError("state_dict['fosi']['g1_velocity'] must be None or a 1-D tensor")
+        if velocity is not None and (not isinstance(velocity, torch.Tensor) or velocity.shape != (rank,)
+                                     or not bool(torch.isfinite(velocity).all())):
+            raise ValueError(f"state_dict['fosi']['g1_velocity'] must be None or a finite [{rank}] tensor")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}")
+        saved = state_dict["state"]
+        expected = {*_BASE_STATE[self.config.base], "eigenvectors"}
+        for group, saved_group in zip(self.param_groups, groups):
+            if len(group["params"]) != len(saved_group.get("params", ())):
+                raise ValueError("state_dict's parameter groups hold other numbers of parameters")
+            for p, pid in zip(group["params"], saved_group["params"]):
+                entry = saved.get(pid)
+                if not p.requires_grad:
+                    continue
+                if not entry:
+                    if saved:
+                        raise ValueError(f"state_dict has no state for parameter {pid} while others have some")
+                    continue
+                if set(entry) != expected:
+                    raise ValueError(f"state_dict holds state {sorted(entry)} for parameter {pid}; FOSI with "
+                                     f"base={self.config.base!r} keeps {sorted(expected)}")
+                for name, value in entry.items():
+                    shape = (rank, *p.shape) if name == "eigenvectors" else tuple(p.shape)
+                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                        raise ValueError(f"state {name!r} of parameter {pid} must have shape {shape}, got {got}")
+                    if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+                        raise ValueError(f"state {name!r} of parameter {pid} must be finite floating point")
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        # Per-parameter state entries are views of flat buffers; a pickle would store the
+        # whole buffer once per view. Standalone copies keep it the size of the state.
+        state["state"] = defaultdict(dict, {
+            p: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entry.items()}
+            for p, entry in self.state.items()
+        })
+        return state
 
     # ------------------------------------------------------------------ curvature
 
-    def _curvature_due(self) -> bool:
-        t = self.step_count
-        return (
-            self.curvature_loss_fn is not None
-            and self.k + self.l > 0
-            and t >= self.warmup_steps
-            and (t - self.warmup_steps) % self.curvature_update_every == 0
-        )
-
-    def lanczos_iters(self, n: int) -> int:
-        if self.num_lanczos_iters is not None:
-            return min(self.num_lanczos_iters, n)
-        return default_lanczos_iters(self.k, self.l, n)
-
-    def newton_scale(self, eigenvalues: torch.Tensor) -> torch.Tensor:
-        """``s_j = alpha / lambda_j`` (paper_exact) or ``alpha / |lambda_j|``, float32.
-
-        ``|lambda_j|`` is clamped to at least ``eigenvalue_floor``: a nearly flat
-        ESE batch (late in training) otherwise yields huge Newton steps.
-        """
-        magnitude = eigenvalues.abs().clamp_min(self.eigenvalue_floor)
-        denom = torch.sign(eigenvalues) * magnitude if self.paper_exact else magnitude
-        return (self.alpha / denom).to(torch.float32)
-
-    def _base_scale_from(self, all_eigenvalues: torch.Tensor) -> float:
-        if self.learning_rate_clip <= 1.0 or self.k == 0 or all_eigenvalues.numel() == 0:
-            return 1.0
-        largest = all_eigenvalues[-min(self.k, all_eigenvalues.numel()):]
-        if float(largest[0]) <= 0:
-            return 1.0
-        return float(min(max(float(largest[-1] / largest[0]), 1.0), self.learning_rate_clip))
-
-    def _compute_curvature(self, loss_fn, packed: _Packed):
-        """``(eigenvalues used here [r], this rank's basis rows [r, n], all Ritz values, report)``."""
+    def _estimate(self, loss_fn: Callable[[], torch.Tensor], packed: PackedGroup) -> Optional[Curvature]:
+        """The ESE at the current weights, or None when its Hessian products were not finite (warned)."""
         n = packed.layout.total
-        hvp = make_hvp(packed.layout.tensors, loss_fn)
-        result = lanczos(
-            hvp, n, self.lanczos_iters(n), dtype=self.lanczos_dtype, device=packed.layout.device,
-            passes=self.reorth_passes, seed=self.seed + self.ese_count,
-            breakdown_rtol=default_breakdown_rtol(self.lanczos_dtype),
-        )
-        values, u_sel = select_ritz(result.tridiag, self.k, self.l, self.ritz_rtol)
-        basis = ritz_vectors(result.basis, u_sel)
-        report = {"steps": result.steps, "breakdown": result.breakdown,
-                  "basis_numel": result.basis.numel(), "basis_shape": tuple(result.basis.shape)}
-        return values, basis, values, report
+        dtype = packed.basis.dtype
+        with nvtx_range("tritonopt/fosi/ese"):
+            try:
+                hvp = make_hvp(packed.layout.tensors, loss_fn, dtype)
+                return self.subspace.extreme_spectrum(hvp, n, self.config, dtype=dtype, device=packed.layout.device,
+                                                      seed=self.config.seed + self.ese_count)
+            except FloatingPointError as exc:
+                warnings.warn(f"FOSI: curvature estimation failed ({exc}); keeping the previous curvature",
+                              RuntimeWarning, stacklevel=3)
+                return None
+
+    def _derive_newton_scale(self, device: torch.device, dtype: torch.dtype) -> None:
+        """``s`` on the parameters' device (copied once per estimate, not per step), and ``max|s|``
+        over every Ritz value, a host number (the same on every rank of a distributed run)."""
+        self._newton_scale = self.config.newton_scale(self.eigenvalues, self.ritz_scale).to(device=device, dtype=dtype)
+        every = self.config.newton_scale(self.all_eigenvalues, self.ritz_scale)
+        self._scale_max = float(every.abs().max()) if every.numel() else 0.0
+
+    def _curvature_refs(self, packed: PackedGroup) -> dict:
+        """What installing an estimate replaces (references: the estimate installs new tensors)."""
+        return dict(basis=packed.basis, eigenvalues=self.eigenvalues, all_eigenvalues=self.all_eigenvalues,
+                    ritz_scale=self.ritz_scale, base_scale=self.base_scale, g1_velocity=self.g1_velocity,
+                    _newton_scale=self._newton_scale, _scale_max=self._scale_max, ese_count=self.ese_count,
+                    last_lanczos=self.last_lanczos)
+
+    def _restore_curvature(self, packed: PackedGroup, refs: dict) -> None:
+        packed.state["basis"] = refs.pop("basis")
+        for name, value in refs.items():
+            setattr(self, name, value)
+        self._bind_basis_views(packed)
+
+    def _install(self, packed: PackedGroup, curvature: Optional[Curvature]) -> None:
+        """Make ``curvature`` the current estimate (None: a failed ESE, which only counts)."""
+        self.ese_count += 1
+        if curvature is None:
+            return
+        dtype, device = packed.basis.dtype, packed.layout.device
+        basis = curvature.basis.to(device=device, dtype=dtype)
+        old_basis, velocity = packed.basis, self.g1_velocity
+        if self.config.g1_momentum > 0 and old_basis.shape[0] and velocity is not None:
+            velocity = self.subspace.carry_velocity(basis, old_basis, velocity).to(dtype)
+        else:
+            velocity = torch.zeros(basis.shape[0], dtype=dtype, device=device)
+        packed.state["basis"] = basis
+        self.eigenvalues = curvature.values.to(torch.float64).cpu()
+        self.all_eigenvalues = curvature.all_values.to(torch.float64).cpu()
+        self.ritz_scale = float(curvature.ritz_scale)
+        self.base_scale = fosi_base_scale(self.all_eigenvalues, self.config.k, self.config.learning_rate_clip)
+        self.g1_velocity = velocity
+        self._derive_newton_scale(device, dtype)
+        self.last_lanczos = curvature.report
+        self._bind_basis_views(packed)
 
     @torch.no_grad()
     def update_curvature(self, loss_fn: Optional[Callable[[], torch.Tensor]] = None) -> bool:
@@ -424,41 +634,19 @@ class FOSI(Optimizer):
         if loss_fn is None or not callable(loss_fn):
             raise ValueError("update_curvature needs a loss function (loss_fn or curvature_loss_fn)")
         packed = self._ensure_packed()
-        if self.k + self.l == 0:
+        if self.config.k + self.config.l == 0:
             return True
-        with nvtx_range("tritonopt/fosi/ese"):
-            try:
-                values, basis, all_values, report = self._compute_curvature(loss_fn, packed)
-            except FloatingPointError as exc:
-                warnings.warn(f"FOSI: curvature estimation failed ({exc}); keeping the previous curvature",
-                              RuntimeWarning, stacklevel=2)
-                self.ese_count += 1
-                return False
-        old_basis = packed.basis
-        if self.g1_momentum > 0 and old_basis.shape[0] and self.g1_velocity is not None:
-            # Carry the coefficient-space velocity into the new basis: z' = V_new V_old^T z.
-            velocity = self._change_basis(basis, old_basis, self.g1_velocity)
-        else:
-            velocity = torch.zeros(basis.shape[0], dtype=torch.float32, device=basis.device)
-        packed.basis = basis.to(packed.layout.device)
-        self.eigenvalues = values.to(torch.float64).cpu()
-        self.all_eigenvalues = all_values.to(torch.float64).cpu()
-        self.base_scale = self._base_scale_from(all_values)
-        self.g1_velocity = velocity
-        self.last_lanczos = report
-        self.ese_count += 1
-        self._bind_basis_views()
-        return True
+        curvature = self._estimate(loss_fn, packed)
+        self._install(packed, curvature)
+        return curvature is not None
 
-    def _change_basis(self, new_basis, old_basis, velocity):
-        return (new_basis @ (velocity @ old_basis)).to(torch.float32)
+    def newton_scale(self, eigenvalues: torch.Tensor) -> torch.Tensor:
+        """``s_j`` for ``eigenvalues`` with this optimizer's alpha, floor and current ``ritz_scale`` (float64)."""
+        return self.config.newton_scale(eigenvalues, self.ritz_scale)
 
     # ------------------------------------------------------------------ step
 
-    def _reduce_gradient(self, grad: torch.Tensor) -> None:
-        """Hook: DHO2 averages the gradient over ranks here."""
-
-    def _check_grads(self, params: list[torch.Tensor]) -> bool:
+    def _grads_present(self, params: list[torch.Tensor]) -> bool:
         with_grad = [p for p in params if p.grad is not None]
         if not with_grad:
             return False
@@ -467,100 +655,118 @@ class FOSI(Optimizer):
                 f"FOSI needs a gradient for every trainable parameter (the curvature couples them): "
                 f"{len(params) - len(with_grad)} of {len(params)} have .grad None"
             )
-        for p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("FOSI does not support sparse gradients")
-            if p.grad.is_complex():
-                raise RuntimeError("FOSI does not support complex gradients")
-            if p.grad.shape != p.shape:
-                raise RuntimeError(
-                    f"a gradient has shape {tuple(p.grad.shape)} but its parameter has shape {tuple(p.shape)}"
-                )
+        self._check_grads(params)
         return True
+
+    def _update_bound(self, largest_grad: float, segments: list[FOSIHyper], n: int, r: int):
+        """``(risky, state_bound, velocity_bound)`` after this step, from ``max|g|`` (see ``_OVERFLOW_GUARD``).
+
+        Element bounds, with ``||.||`` the 2-norm and the rows of ``V`` orthonormal:
+        ``|g2_i| <= max|g| + ||V g||``, ``||V g|| <= sqrt(n) max|g|``, the Newton
+        step ``<= rho max|s| ||q||``, the base step from the state's bound (Adam:
+        ``lr / bc1 * max|a| / eps``), its projection ``<= (1 + sqrt(n))`` times it.
+        """
+        sqrt_n = math.sqrt(n)
+        coef = sqrt_n * largest_grad if r else 0.0
+        g2 = largest_grad + coef
+        config, state = self.config, self._state_bound or 0.0
+        decay, gain = config.g1_decay_gain()
+        velocity = decay * self.velocity_bound + gain * coef if config.g1_momentum > 0 else 0.0
+        q = velocity if config.g1_momentum > 0 else coef
+        newton = max(h.newton_factor for h in segments) * self._scale_max * q
+        new_state, base_step = 0.0, 0.0
+        for h in segments:
+            if config.base == "sgd":
+                a, u = 0.0, h.lr * g2
+            elif config.base == "heavy_ball":
+                a = h.beta1 * state + g2
+                u = h.lr * a
+            else:
+                a = h.beta1 * state + (1.0 - h.beta1) * g2
+                bias = 1.0 - h.beta1 ** (self.base_step + 1)
+                u = h.lr / bias * a / h.eps if h.eps > 0 else math.inf
+            new_state, base_step = max(new_state, a), max(base_step, u)
+        total = newton + self.base_scale * (1.0 + sqrt_n) * base_step
+        decays = all(abs(1.0 - h.lr * h.weight_decay) <= 1.0 for h in segments)
+        largest = max(g2, q, newton, new_state, total)
+        risky = not (decays and math.isfinite(largest) and largest < _OVERFLOW_GUARD)
+        return risky, new_state, velocity
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
+        """One FOSI update (an ESE first when one is due); ``closure`` re-evaluates the model and returns the loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Hyperparameters a user or a scheduler set since the last step: checked before anything changes.
+        settings = self._check_settings()
         params = self._trainable()
-        if not self._check_grads(params):
+        if not self._grads_present(params):
             return loss
+        # What a refused first step must take back: the state it creates (a built packed group
+        # means every parameter has state).
+        stateless = [] if self._packed.get(0) is not None else self._stateless_params()
+        velocity_before = self.g1_velocity
         packed = self._ensure_packed()
+        layout = packed.layout
         with nvtx_range("tritonopt/fosi/pack"):
-            packed.layout.pack([p.grad for p in params], packed.grad.view(1, -1))
-        self._reduce_gradient(packed.grad)
-        grad_max = float(packed.grad.abs().amax())  # NaN or inf if any entry is (one host sync)
-        if not math.isfinite(grad_max):
-            if self.on_nonfinite == "raise":
-                raise FloatingPointError("FOSI: a gradient holds NaN or inf; nothing was modified")
-            self.skipped_steps += 1
-            warnings.warn("FOSI: a gradient holds NaN or inf; the step was skipped and parameters "
-                          "and state are unchanged", RuntimeWarning, stacklevel=2)
+            layout.pack([p.grad for p in params], packed.grad.view(1, -1))
+        self.subspace.reduce_gradient(packed.grad)
+        # The step's one host read: the gradient's largest entry (NaN and inf propagate into it),
+        # and, when the packed state was just (re)built, the state's.
+        checks = [packed.grad.abs().amax()]
+        state_buffers = self._state_buffers(packed)
+        if self._state_bound is None and state_buffers:
+            checks.append(state_buffers[0].abs().amax())
+        values = [checks[0].item()] if len(checks) == 1 else torch.stack(checks).tolist()
+        largest_grad = values[0]
+        if not math.isfinite(largest_grad):
+            self.g1_velocity = velocity_before
+            self._refuse_step("a gradient holds NaN or inf", stateless)
             return loss
-        if self._curvature_due():
-            self.update_curvature(self.curvature_loss_fn)
-        packed.layout.pack(params, packed.weights.view(1, -1))
-        group = self.param_groups[0]
-        saved = self._save_state_if_overflow_possible(packed, group, grad_max)
-        self.base_step += 1
-        self._apply_update(packed, group)
-        # On a risky step the state is checked too: Adam's second moment can overflow to
-        # inf while the update it divides stays finite, freezing those coordinates for good.
-        checked = [packed.weights] + ([live for live, _ in saved] if saved is not None else [])
-        if not all(bool(torch.isfinite(t).all()) for t in checked):
-            if saved is not None:
-                for live, copy in saved:
-                    live.copy_(copy)
-                self.base_step -= 1
-                message = ("FOSI: the update overflowed to NaN or inf (a finite but huge gradient); "
-                           "the step was undone: parameters and state are unchanged")
-            else:  # not expected below _OVERFLOW_GUARD; the state can no longer be restored
-                message = ("FOSI: the update produced NaN or inf; the parameters were left unchanged, "
-                           "the base optimizer's state advanced")
-            if self.on_nonfinite == "raise":
-                raise FloatingPointError(message)
-            self.skipped_steps += 1
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            return loss
+        if self._state_bound is None:
+            self._state_bound = values[1] if len(values) > 1 else 0.0
+
+        refs = None
+        if self.curvature_loss_fn is not None and self.config.curvature_due(self.step_count):
+            refs = self._curvature_refs(packed)
+            self._install(packed, self._estimate(self.curvature_loss_fn, packed))
+        segments = self._segments(settings, packed.group_sizes)
+        risky, state_bound, velocity_bound = self._update_bound(
+            largest_grad, segments, layout.total, packed.basis.shape[0])
+        with nvtx_range("tritonopt/fosi/pack"):
+            layout.pack(params, packed.weights.view(1, -1))
+        live = [*state_buffers, self.g1_velocity]
+        saved = [t.clone() for t in live] if risky else None
+        decay, gain = self.config.g1_decay_gain()
+        use_velocity = self.config.g1_momentum > 0 and packed.basis.shape[0] > 0
+        self.subspace.update(
+            packed.weights, packed.grad, packed.basis, self._newton_scale,
+            all_rows=self.all_eigenvalues.numel(), base=self.config.base,
+            segments=segments, step=self.base_step + 1, state_a=state_buffers[0] if state_buffers else None,
+            state_b=state_buffers[1] if len(state_buffers) > 1 else None, base_scale=self.base_scale,
+            g1_velocity=self.g1_velocity if use_velocity else None, g1_decay=decay, g1_gain=gain,
+        )
+        if risky:
+            # One read: whether everything the step wrote is finite, and the state's largest entry.
+            finite = torch.stack([torch.isfinite(t).all() for t in (packed.weights, *live)]).all()
+            largest = state_buffers[0].abs().amax() if state_buffers else packed.weights.new_zeros(())
+            finite, largest_state = torch.stack([finite.double(), largest.double()]).tolist()
+            if finite != 1.0:
+                for t, copy in zip(live, saved):
+                    t.copy_(copy)
+                if refs is not None:
+                    self._restore_curvature(packed, refs)
+                if stateless:
+                    self.g1_velocity = velocity_before
+                self._refuse_step("the update overflowed to NaN or inf (a finite but huge gradient); the step "
+                                  "was undone", stateless)
+                return loss
+            state_bound = largest_state
         with nvtx_range("tritonopt/fosi/unpack"):
-            for p, value in zip(params, packed.layout.views(packed.weights.view(1, -1))):
-                p.copy_(value)
+            torch._foreach_copy_(params, packed.weight_views)
+        self._state_bound, self.velocity_bound = state_bound, velocity_bound
+        self.base_step += 1
         self.step_count += 1
         return loss
-
-    def _save_state_if_overflow_possible(self, packed: _Packed, group: dict, grad_max: float):
-        """Copies of the state the update changes in place, or None when it cannot overflow.
-
-        Rows of ``V`` are orthonormal, so ``|g2_i| <= (1 + sqrt(n)) max|g|`` and the Newton
-        step is at most ``max|s| sqrt(n) max|g|``; the learning rate scales the base step.
-        """
-        # Every Ritz value, not this rank's share: distributed ranks must decide alike.
-        scale = self.newton_scale(self.all_eigenvalues)
-        scale_max = float(scale.abs().max()) if scale.numel() else 0.0
-        bound = grad_max * (1.0 + math.sqrt(packed.layout.total)) * max(1.0, scale_max, group["lr"])
-        if bound < _OVERFLOW_GUARD:
-            return None
-        live = [t for t in (packed.state_a, packed.state_b, self.g1_velocity) if t is not None]
-        return [(t, t.clone()) for t in live]
-
-    def _base_hyper(self, group: dict) -> dict:
-        beta1 = group["momentum"] if self.base == "heavy_ball" else group["betas"][0]
-        return dict(lr=group["lr"], beta1=beta1, beta2=group["betas"][1], eps=group["eps"], step=self.base_step)
-
-    def _g1_decay_gain(self) -> tuple[float, float]:
-        d = self.g1_momentum
-        return d, (1.0 - d) if self.base == "adam" else 1.0
-
-    def _apply_update(self, packed: _Packed, group: dict) -> None:
-        use_velocity = self.g1_momentum > 0 and packed.basis.shape[0] > 0
-        decay, gain = self._g1_decay_gain()
-        fosi_step(
-            packed.weights, packed.grad, packed.basis,
-            self.newton_scale(self.eigenvalues).to(packed.basis.device),
-            base=self.base, state_a=packed.state_a, state_b=packed.state_b,
-            base_scale=self.base_scale,
-            g1_velocity=self.g1_velocity if use_velocity else None,
-            g1_decay=decay, g1_gain=gain, **self._base_hyper(group),
-        )

@@ -14,11 +14,14 @@ defined in :mod:`tritonopt.optim.kfac_functional`.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
+from typing import NamedTuple
 
 import torch
 
 from tritonopt.ops import ef_topk
+from tritonopt.ops import fosi_step
 from tritonopt.optim._blocks import kept_per_block
 from tritonopt.optim._window_algebra import ggt_weights, mfac_coefficients, mfac_weights, update_gram
 from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statistic, kfac_eigen_data,
@@ -102,3 +105,235 @@ def apply_decoupled_update(
             if weight_decay:
                 p_wide.mul_(1 - lr * weight_decay)
             p.copy_(p_wide.sub_(update, alpha=lr))
+
+
+# --------------------------------------------------------------------------- FOSI
+#
+# FOSI (Sivan et al., ICLR 2024; Gu et al. sec. II-B, eqs. 11-12) on one flat
+# vector of length n: ``V`` is ``[r, n]`` with orthonormal rows (the Ritz
+# vectors), ``s`` (``[r]``) the Newton scale, ``O`` the base optimizer's step
+# (sign and rate included):
+#
+#     c = V g,  g2 = g - V^T c,  w <- w - V^T (s * q) + b (I - V^T V) O(g2)
+#
+# with ``q = c``, or a coefficient-space velocity ``z <- g1_decay z + g1_gain c``.
+# float32 buffers run the fused op (tritonopt.ops.fosi_step); float64 buffers
+# the same formulas in torch, in float64.
+
+FOSI_BASES = ("sgd", "heavy_ball", "adam")
+
+
+class FOSIHyper(NamedTuple):
+    """The hyperparameters of one slice ``[previous stop, stop)`` of the flat vector.
+
+    ``lr``, ``beta1`` (heavy-ball momentum or Adam's first beta), ``beta2`` and
+    ``eps`` are the base optimizer's; ``weight_decay`` is decoupled
+    (``w <- (1 - lr * weight_decay) w`` before the update) and ``newton_factor``
+    multiplies the Newton step on the slice.
+    """
+
+    stop: int
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    newton_factor: float = 1.0
+
+
+def fosi_newton_scale(
+    eigenvalues: torch.Tensor,
+    alpha: float,
+    *,
+    floor: float = 1e-3,
+    ritz_scale: Optional[float] = None,
+    signed: bool = False,
+) -> torch.Tensor:
+    """``s_j = alpha / max(|lambda_j|, floor * ritz_scale)``, times ``sign(lambda_j)`` when ``signed``.
+
+    The floor is relative to ``ritz_scale``, the largest ``|Ritz value|`` of the
+    estimate (default: the largest ``|eigenvalues|``), so scaling the loss by
+    ``c`` scales every ``s_j`` by ``1 / c``. ``signed=True`` is eq. (11) as
+    printed (``alpha / lambda``); the FOSI reference code uses ``|lambda|`` (a
+    negative Ritz value would otherwise turn the Newton step uphill). Returns
+    ``eigenvalues``' dtype and device.
+    """
+    magnitude = eigenvalues.abs()
+    if ritz_scale is None:
+        ritz_scale = float(magnitude.max()) if magnitude.numel() else 0.0
+    magnitude = magnitude.clamp_min(floor * ritz_scale)
+    return alpha / (torch.sign(eigenvalues) * magnitude if signed else magnitude)
+
+
+def fosi_base_scale(eigenvalues: torch.Tensor, k: int, learning_rate_clip: float) -> float:
+    """``b = clip(lambda_max / lambda_(k), 1, learning_rate_clip)`` over the ``k`` largest of ``eigenvalues``.
+
+    ``eigenvalues`` are ascending (``l`` smallest, then ``k`` largest); 1 when
+    the clip is off (``<= 1``), ``k = 0``, or ``lambda_(k) <= 0``. The FOSI
+    reference code scales its heavy-ball and SGD base steps by this (clip 3).
+    """
+    if learning_rate_clip <= 1.0 or k == 0 or eigenvalues.numel() == 0:
+        return 1.0
+    largest = eigenvalues[-min(k, eigenvalues.numel()) :]
+    smallest_kept, top = float(largest[0]), float(largest[-1])
+    if smallest_kept <= 0:
+        return 1.0
+    return min(max(top / smallest_kept, 1.0), learning_rate_clip)
+
+
+def _wide_base_step(grad, state_a, state_b, base, lr, beta1, beta2, eps, step) -> torch.Tensor:
+    """The base step in the buffers' own (wider than float32) dtype."""
+    if base == "sgd":
+        return grad * -lr
+    if base == "heavy_ball":
+        return state_a.mul_(beta1).add_(grad) * -lr
+    state_a.lerp_(grad, 1.0 - beta1)
+    state_b.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    denominator = state_b.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(eps)
+    return state_a.div(denominator).mul_(-lr / (1.0 - beta1**step))
+
+
+def fosi_base_step(
+    grad: torch.Tensor,
+    state_a: Optional[torch.Tensor],
+    state_b: Optional[torch.Tensor],
+    *,
+    base: str,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    step: int = 1,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The base optimizer's step ``u = O(grad)`` on a flat ``[n]`` buffer; its state is updated in place.
+
+    * ``sgd``: ``u = -lr g``;
+    * ``heavy_ball``: ``a = beta1 a + g``, ``u = -lr a`` (``state_a`` = ``a``);
+    * ``adam``: ``a = beta1 a + (1 - beta1) g``, ``b2 = beta2 b2 + (1 - beta2) g^2``,
+      ``u = -(lr / (1 - beta1^step)) a / (sqrt(b2 / (1 - beta2^step)) + eps)``.
+
+    float32 buffers: :func:`tritonopt.ops.fosi_step` with an empty basis on a
+    zeroed ``out`` (allocated when None), which is exactly its base step;
+    float64 buffers: the same formulas in float64. ``step`` counts this step.
+    """
+    if grad.dtype == torch.float64:
+        return _wide_base_step(grad, state_a, state_b, base, lr, beta1, beta2, eps, step)
+    out = torch.zeros(grad.shape[0], dtype=torch.float32, device=grad.device) if out is None else out.zero_()
+    fosi_step(out, grad, grad.new_zeros((0, grad.shape[0]), dtype=torch.float32),
+              grad.new_zeros(0, dtype=torch.float32), base=base, state_a=state_a, state_b=state_b,
+              lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step)
+    return out
+
+
+def fosi_segment_bounds(segments: Sequence[FOSIHyper]) -> list[tuple[int, int, FOSIHyper]]:
+    """``[(start, stop, hyper)]`` for consecutive ``segments``."""
+    bounds, start = [], 0
+    for hyper in segments:
+        bounds.append((start, hyper.stop, hyper))
+        start = hyper.stop
+    return bounds
+
+
+def fosi_base_steps(
+    grad: torch.Tensor,
+    state_a: Optional[torch.Tensor],
+    state_b: Optional[torch.Tensor],
+    *,
+    base: str,
+    segments: Sequence[FOSIHyper],
+    step: int,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`fosi_base_step` with each slice's own hyperparameters (``segments`` cover ``[0, n)``)."""
+    if len(segments) == 1:
+        h = segments[0]
+        return fosi_base_step(grad, state_a, state_b, base=base, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                              eps=h.eps, step=step, out=out)
+    out = torch.empty_like(grad) if out is None else out
+    for start, stop, h in fosi_segment_bounds(segments):
+        piece = fosi_base_step(
+            grad[start:stop], None if state_a is None else state_a[start:stop],
+            None if state_b is None else state_b[start:stop], base=base, lr=h.lr, beta1=h.beta1,
+            beta2=h.beta2, eps=h.eps, step=step, out=out[start:stop] if grad.dtype != torch.float64 else None)
+        if piece.data_ptr() != out[start:stop].data_ptr():
+            out[start:stop].copy_(piece)
+    return out
+
+
+def fosi_apply_weight_decay(weights: torch.Tensor, segments: Sequence[FOSIHyper]) -> None:
+    """``w <- (1 - lr * weight_decay) w`` on every slice with a weight decay."""
+    for start, stop, h in fosi_segment_bounds(segments):
+        if h.weight_decay:
+            weights[start:stop].mul_(1.0 - h.lr * h.weight_decay)
+
+
+def fosi_scale_segments(vector: torch.Tensor, segments: Sequence[FOSIHyper]) -> torch.Tensor:
+    """``vector`` with each slice multiplied by its ``newton_factor`` (in place; returned)."""
+    for start, stop, h in fosi_segment_bounds(segments):
+        if h.newton_factor != 1.0:
+            vector[start:stop].mul_(h.newton_factor)
+    return vector
+
+
+def fosi_uniform(segments: Sequence[FOSIHyper]) -> bool:
+    """Whether every slice shares the base hyperparameters and Newton factor (weight decay may differ)."""
+    return all(h[1:5] == segments[0][1:5] and h.newton_factor == segments[0].newton_factor for h in segments)
+
+
+def fosi_update(
+    weights: torch.Tensor,
+    grad: torch.Tensor,
+    basis: torch.Tensor,
+    newton_scale: torch.Tensor,
+    *,
+    base: str,
+    segments: Sequence[FOSIHyper],
+    step: int,
+    state_a: Optional[torch.Tensor] = None,
+    state_b: Optional[torch.Tensor] = None,
+    base_scale: float = 1.0,
+    g1_velocity: Optional[torch.Tensor] = None,
+    g1_decay: float = 0.0,
+    g1_gain: float = 1.0,
+) -> None:
+    """One FOSI update of the flat ``weights`` (``[n]``), in place: see the section comment above.
+
+    ``basis`` ``[r, n]`` and ``newton_scale`` ``[r]`` in ``weights``' dtype
+    (``r = 0``: exactly the base optimizer's step); ``grad``, ``state_a``,
+    ``state_b`` ``[n]``; ``g1_velocity`` ``[r]`` or None (updated in place);
+    ``segments`` the slices' hyperparameters (:class:`FOSIHyper`, covering
+    ``[0, n)``); ``step`` the base optimizer's step count including this one.
+    Decoupled weight decay is applied first. float32 weights with uniform
+    slices run the fused op in one call; otherwise the same arithmetic runs in
+    torch, slice by slice for the base step.
+    """
+    fosi_apply_weight_decay(weights, segments)
+    if weights.dtype == torch.float32 and fosi_uniform(segments):
+        h = segments[0]
+        scale = newton_scale if h.newton_factor == 1.0 else newton_scale * h.newton_factor
+        fosi_step(weights, grad, basis, scale, base=base, state_a=state_a, state_b=state_b, lr=h.lr,
+                  beta1=h.beta1, beta2=h.beta2, eps=h.eps, step=step, base_scale=base_scale,
+                  g1_velocity=g1_velocity, g1_decay=g1_decay, g1_gain=g1_gain)
+        return
+    g = grad.to(weights.dtype)
+    coef = basis @ g
+    q = coef if g1_velocity is None else g1_velocity.mul_(g1_decay).add_(coef, alpha=g1_gain)
+    newton = fosi_scale_segments((newton_scale * q) @ basis, segments)
+    u = fosi_base_steps(g - coef @ basis, state_a, state_b, base=base, segments=segments, step=step)
+    weights.add_(base_scale * (u - (basis @ u) @ basis) - newton)
+
+
+__all__ += [
+    "FOSIHyper",
+    "FOSI_BASES",
+    "fosi_apply_weight_decay",
+    "fosi_base_scale",
+    "fosi_base_step",
+    "fosi_base_steps",
+    "fosi_newton_scale",
+    "fosi_scale_segments",
+    "fosi_segment_bounds",
+    "fosi_uniform",
+    "fosi_update",
+]

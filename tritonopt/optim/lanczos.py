@@ -16,6 +16,11 @@ for a row-sharded basis so the single-process and the distributed run
         if beta <= breakdown_rtol * ||H v||: stop (invariant subspace found)
         B[i+1,i] = B[i,i+1] = beta;  D[i+1] = h / beta
 
+Host synchronisation: one per iteration (``beta``, ``||H v||`` and the
+finiteness of ``h`` are read together: the breakdown test needs them on the
+host), plus one at the end for the diagonal of ``B``, which stays on the
+device meanwhile.
+
 Ritz pairs: ``eigh(B)``; the ``l`` smallest and ``k`` largest eigenvalues (in
 that, ascending, order) and their vectors ``U_sel^T D``. Pairs with
 ``|lambda| <= ritz_rtol * max|u|`` are dropped (their inverse would blow up the
@@ -29,10 +34,27 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tritonopt._ops.lanczos import gram_schmidt_project
+from tritonopt._validation import check_int
+from tritonopt.ops import gram_schmidt_project
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
+
+__all__ = [
+    "LanczosResult",
+    "RitzSelection",
+    "check_lanczos_arguments",
+    "default_breakdown_rtol",
+    "default_lanczos_iters",
+    "extreme_ritz",
+    "lanczos",
+    "lanczos_loop",
+    "make_hvp",
+    "ritz_vectors",
+    "select_ritz",
+    "start_vector",
+]
 
 
 def default_lanczos_iters(k: int, l: int, n: int) -> int:
@@ -47,7 +69,7 @@ def default_breakdown_rtol(dtype: torch.dtype) -> float:
 
 @dataclass
 class LanczosResult:
-    """``basis``: ``[steps, n_c]`` rows of D (this rank's columns); ``tridiag``: ``[steps, steps]`` float64."""
+    """``basis``: ``[steps, n_c]`` rows of D (this rank's columns); ``tridiag``: ``[steps, steps]`` float64 (CPU)."""
 
     basis: torch.Tensor
     tridiag: torch.Tensor
@@ -80,38 +102,60 @@ def lanczos_loop(
 
     ``gather(shard) -> padded full vector``; ``project(D, h_shard, rows) -> (h_shard, ||h||^2)``
     with every needed reduction done inside (identity / all_reduce).
+
+    Raises:
+        FloatingPointError: a Hessian-vector product or the residual norm is not finite.
     """
     basis = torch.zeros((num_iters, shard_len), dtype=dtype, device=device)
-    tridiag = torch.zeros((num_iters, num_iters), dtype=torch.float64)
-    v1 = start_vector(n, seed)
-    first = torch.zeros(max(n, shard_start + shard_len), dtype=torch.float64)
-    first[:n] = v1
+    diagonal = torch.zeros(num_iters, dtype=torch.float64, device=device)  # B[i, i], read once at the end
+    off_diagonal: list[float] = []
+    padded = max(n, shard_start + shard_len)
+    first = torch.zeros(padded, dtype=torch.float64)
+    first[:n] = start_vector(n, seed)
     basis[0] = first[shard_start : shard_start + shard_len].to(device=device, dtype=dtype)
     steps, breakdown = num_iters, False
+    h_full = torch.zeros(padded, dtype=dtype, device=device)
     for i in range(num_iters):
         v = gather(basis[i])[:n]
         h = hvp(v).to(device=device, dtype=dtype)
         if h.shape != (n,):
             raise ValueError(f"hvp must return a vector of {n} entries, got shape {tuple(h.shape)}")
-        if not bool(torch.isfinite(h).all()):
-            raise FloatingPointError("the Hessian-vector product holds NaN or inf")
-        tridiag[i, i] = torch.dot(h.double(), v.double()).cpu()
+        h64 = h.double()
+        diagonal[i] = torch.dot(h64, v.double())
         if i == num_iters - 1:
             break
-        h_norm = float(torch.linalg.vector_norm(h.double()))
-        h_full = torch.zeros(max(n, shard_start + shard_len), dtype=dtype, device=device)
         h_full[:n] = h
-        h_shard = h_full[shard_start : shard_start + shard_len].contiguous()
-        h_shard, sq_norm = project(basis, h_shard, i + 1)
-        beta = math.sqrt(max(float(sq_norm), 0.0))
+        h_shard, sq_norm = project(basis, h_full[shard_start : shard_start + shard_len].contiguous(), i + 1)
+        # One host read per iteration: the residual norm, ||H v|| and whether H v is finite.
+        sq_beta, sq_h_norm, finite = torch.stack(
+            [sq_norm.double().reshape(()), h64.dot(h64), torch.isfinite(h).all().double()]
+        ).tolist()
+        if finite != 1.0:
+            raise FloatingPointError("the Hessian-vector product holds NaN or inf")
+        beta = math.sqrt(max(sq_beta, 0.0))
         if not math.isfinite(beta):
             raise FloatingPointError("the Lanczos residual norm is not finite")
-        if beta <= breakdown_rtol * h_norm or beta == 0.0:
+        if beta <= breakdown_rtol * math.sqrt(sq_h_norm) or beta == 0.0:
             steps, breakdown = i + 1, True
             break
-        tridiag[i + 1, i] = tridiag[i, i + 1] = beta
+        off_diagonal.append(beta)
         basis[i + 1] = h_shard / beta
-    return LanczosResult(basis[:steps], tridiag[:steps, :steps].clone(), steps, breakdown)
+    diagonal = diagonal[:steps].cpu()
+    if not bool(torch.isfinite(diagonal).all()):
+        raise FloatingPointError("the Hessian-vector product holds NaN or inf")
+    tridiag = torch.diag(diagonal)
+    if steps > 1:
+        betas = torch.tensor(off_diagonal[: steps - 1], dtype=torch.float64)
+        tridiag += torch.diag(betas, 1) + torch.diag(betas, -1)
+    return LanczosResult(basis[:steps], tridiag, steps, breakdown)
+
+
+def check_lanczos_arguments(n, num_iters, dtype) -> None:
+    """``n`` and ``num_iters`` ints >= 1, ``dtype`` float32 or float64 (the checks of every Lanczos entry)."""
+    check_int("n", n, low=1)
+    check_int("num_iters", num_iters, low=1)
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
 
 
 def lanczos(
@@ -137,12 +181,7 @@ def lanczos(
         breakdown_rtol: stop when ``beta <= breakdown_rtol * ||H v||``
             (default ``1000 eps(dtype)``).
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if isinstance(num_iters, bool) or not isinstance(num_iters, int) or num_iters < 1:
-        raise ValueError(f"num_iters must be an int >= 1, got {num_iters!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    check_lanczos_arguments(n, num_iters, dtype)
     device = torch.device(device)
 
     def project(basis, h, rows):
@@ -156,10 +195,22 @@ def lanczos(
     )
 
 
-def select_ritz(
-    tridiag: torch.Tensor, k: int, l: int, ritz_rtol: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(eigenvalues [r], U_sel [steps, r])``: the ``l`` smallest then ``k`` largest Ritz values.
+@dataclass
+class RitzSelection:
+    """The selected Ritz pairs of a tridiagonal ``B`` (see :func:`extreme_ritz`).
+
+    ``values``: ``[r]`` float64, the ``l`` smallest then the ``k`` largest kept;
+    ``vectors``: ``[steps, r]`` float64, their eigenvectors of ``B`` (``U_sel``);
+    ``scale``: the largest ``|u|`` over every eigenvalue of ``B`` (0 for an empty ``B``).
+    """
+
+    values: torch.Tensor
+    vectors: torch.Tensor
+    scale: float
+
+
+def extreme_ritz(tridiag: torch.Tensor, k: int, l: int, ritz_rtol: float = 1e-6) -> RitzSelection:
+    """``eigh(B)``; the ``l`` smallest then ``k`` largest Ritz values, with their vectors and the spectrum's scale.
 
     Fewer than ``k + l`` are returned when Lanczos stopped early or values are
     too close to zero (``|lambda| <= ritz_rtol * max|u|``, or not finite).
@@ -173,49 +224,75 @@ def select_ritz(
     scale = float(values.abs().max()) if steps else 0.0
     keep = torch.isfinite(chosen) & (chosen.abs() > max(ritz_rtol * scale, 1e-300))
     index = torch.tensor(selected, dtype=torch.long)[keep]
-    return values[index], vectors[:, index]
+    return RitzSelection(values[index], vectors[:, index], scale)
 
 
-def ritz_vectors(basis: torch.Tensor, u_selected: torch.Tensor) -> torch.Tensor:
-    """``U_sel^T D`` (``[r, n_c]``, float32, contiguous) for this rank's columns of D."""
-    return (u_selected.to(device=basis.device, dtype=basis.dtype).T @ basis).to(torch.float32).contiguous()
+def select_ritz(
+    tridiag: torch.Tensor, k: int, l: int, ritz_rtol: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(eigenvalues [r], U_sel [steps, r])`` of :func:`extreme_ritz`."""
+    selection = extreme_ritz(tridiag, k, l, ritz_rtol)
+    return selection.values, selection.vectors
 
 
-def make_hvp(params: Sequence[torch.Tensor], loss_fn: Callable[[], torch.Tensor]) -> HVP:
+def ritz_vectors(basis: torch.Tensor, u_selected: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``U_sel^T D`` (``[r, n_c]``, contiguous, in ``dtype``) for this rank's columns of D."""
+    return (u_selected.to(device=basis.device, dtype=basis.dtype).T @ basis).to(dtype).contiguous()
+
+
+def make_hvp(
+    params: Sequence[torch.Tensor],
+    loss_fn: Callable[[], torch.Tensor],
+    dtype: Optional[torch.dtype] = None,
+) -> HVP:
     """Hessian-vector products of ``loss_fn()`` w.r.t. ``params`` by double backward.
 
     ``loss_fn`` is evaluated once (one forward and a graph-keeping backward);
     each product is one more backward through that graph. Vectors are flat in
-    ``params`` order, cast to each parameter's dtype.
+    ``params`` order, cast to each parameter's dtype; products come back in
+    ``dtype`` (default: float64 when every parameter is float64, else float32).
+
+    Scaled-dot-product attention runs its math backend here: the fused CPU and
+    GPU attention kernels have no double backward.
+
+    Raises:
+        ValueError: ``loss_fn`` does not return a scalar tensor, or it does not
+            depend on any of ``params`` (a loss that closes over another model).
     """
     params = list(params)
-    with torch.enable_grad():
+    if dtype is None:
+        dtype = torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
+    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
         loss = loss_fn()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("the curvature loss function must return a scalar tensor")
+        if not loss.requires_grad:
+            raise ValueError("the curvature loss does not depend on the optimizer's parameters")
         grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    if all(g is None for g in grads):
+        raise ValueError("the curvature loss does not depend on the optimizer's parameters")
     live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
     numels = [p.numel() for p in params]
     offsets = [0]
-    for k in numels:
-        offsets.append(offsets[-1] + k)
+    for count in numels:
+        offsets.append(offsets[-1] + count)
 
     def hvp(v: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(offsets[-1], dtype=torch.float32, device=params[0].device)
+        out = torch.zeros(offsets[-1], dtype=dtype, device=params[0].device)
         if not live:
             return out
         pieces = [
             v[offsets[i] : offsets[i + 1]].view(params[i].shape).to(device=params[i].device, dtype=params[i].dtype)
             for i in live
         ]
-        with torch.enable_grad():
+        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
             products = torch.autograd.grad(
                 [grads[i] for i in live], [params[i] for i in live], grad_outputs=pieces,
                 retain_graph=True, allow_unused=True,
             )
         for i, hv in zip(live, products):
             if hv is not None:
-                out[offsets[i] : offsets[i + 1]] = hv.reshape(-1).to(torch.float32)
+                out[offsets[i] : offsets[i + 1]] = hv.reshape(-1).to(dtype)
         return out
 
     return hvp

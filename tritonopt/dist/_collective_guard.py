@@ -1,0 +1,103 @@
+"""Timeouts for the groups a layer creates, and clear errors when a collective fails.
+
+* :func:`resolve_timeout` and :func:`timed_group`: a layer's ``timeout`` (a
+  ``datetime.timedelta`` or seconds) applies to every process group it creates;
+  ``None`` inherits the timeout of the group it builds on.
+* :class:`GuardedCommunicator`: the collectives of a
+  :class:`~tritonopt.dist._comm.CountingCommunicator`, with the backend's error
+  (gloo: "Connection reset by peer", "Timed out waiting ...") re-raised as a
+  :class:`CollectiveFailure` that names the layer, the collective and the ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tritonopt._validation import check_float
+
+__all__ = ["CollectiveFailure", "GuardedCommunicator", "group_timeout", "resolve_timeout", "timed_group"]
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective did not complete: a rank died, stalled past the timeout, or left the group."""
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> datetime.timedelta:
+    """The timeout ``group`` (None: the world) was created with, or torch's default if it cannot be read."""
+    group = dist.group.WORLD if group is None else group
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.default_pg_timeout
+
+
+def resolve_timeout(timeout, group: Optional[dist.ProcessGroup] = None) -> datetime.timedelta:
+    """``timeout`` as a ``timedelta`` (seconds accepted); ``None``: ``group``'s own timeout."""
+    if timeout is None:
+        return group_timeout(group)
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    else:
+        check_float("timeout", timeout, low=0.0, low_open=True)
+        seconds = float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+def timed_group(ranks: Sequence[int], timeout: datetime.timedelta, *, layer: str, local: bool = False):
+    """``dist.new_group(ranks, timeout=timeout)``; ``local``: only the members call it.
+
+    Raises:
+        CollectiveFailure: a member did not join within the timeout.
+    """
+    began = time.monotonic()
+    try:
+        return dist.new_group(sorted(ranks), timeout=timeout, use_local_synchronization=local)
+    except RuntimeError as exc:
+        raise CollectiveFailure(
+            f"{layer}: creating the process group of ranks {sorted(ranks)} failed after "
+            f"{time.monotonic() - began:.1f} s (timeout {timeout.total_seconds():g} s): a rank did not "
+            f"join (it died or stalled before constructing {layer}). Backend error: {exc}"
+        ) from exc
+
+
+class GuardedCommunicator:
+    """The collectives of ``comm`` (which keeps counting them), with clear errors on failure."""
+
+    COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "all_to_all_single")
+
+    def __init__(self, comm, *, layer: str, timeout: datetime.timedelta):
+        self.comm = comm
+        self.layer = layer
+        self.timeout = timeout
+
+    def __getattr__(self, name: str):
+        if name in ("comm", "layer", "timeout") or name.startswith("__"):
+            raise AttributeError(name)
+        method = getattr(self.comm, name)
+        if name not in self.COLLECTIVES:
+            return method
+
+        def guarded(*args, label: str, group=None, **kwargs):
+            began = time.monotonic()
+            try:
+                return method(*args, label=label, group=group, **kwargs)
+            except RuntimeError as exc:
+                target = group if group is not None else self.comm.group
+                ranks = dist.get_process_group_ranks(target if target is not None else dist.group.WORLD)
+                raise CollectiveFailure(
+                    f"{self.layer}: the collective {label!r} ({name}) among ranks {ranks} failed on rank "
+                    f"{dist.get_rank()} after {time.monotonic() - began:.1f} s (timeout "
+                    f"{self.timeout.total_seconds():g} s): another rank died, stalled or left. "
+                    f"Backend error: {exc}"
+                ) from exc
+
+        return guarded
