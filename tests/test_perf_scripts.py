@@ -19,6 +19,7 @@ SMOKE_OUTPUTS = {
     "bench_kfac": ["kfac.csv"],
     "bench_lanczos": ["lanczos.csv"],
     "bench_lowrank": ["lowrank.csv"],
+    "bench_optimizer_step": ["optimizer_step.csv"],
     "bench_sparse_ring": ["sparse_ring.csv"],
     "demo_digits": ["demo_digits.csv", "demo_digits_curves.csv", "demo_digits.md"],
     "efcp_experiment": ["efcp.csv", "efcp_summary.md"],
@@ -26,6 +27,8 @@ SMOKE_OUTPUTS = {
     "kaisa_tradeoff": ["kaisa_tradeoff.csv", "kaisa_tradeoff.md"],
     "kfac_experiment": ["kfac_autoencoder.csv", "kfac_classifier.csv", "kfac_autoencoder.md"],
 }
+OPTIMIZERS = ("SGD", "Adam", "Adagrad", "SparseAdaGrad", "MFAC", "SparseMFAC", "GGT", "SparseGGT",
+              "LowRankMFAC", "KFAC+SGD", "FOSI-Adam")
 
 
 def test_every_script_is_listed():
@@ -92,6 +95,25 @@ def test_autotune_smoke_runs_every_workload():
         assert record["workloads"] and record["tuned"] == torch.cuda.is_available()
     if not torch.cuda.is_available():
         assert "no CUDA device" in output_of(result)
+
+
+def test_optimizer_step_bench_covers_every_optimizer():
+    result, out = smoke_run("bench_optimizer_step")
+    rows = {row["optimizer"]: row for row in read_csv(out / "optimizer_step.csv")}
+    assert set(rows) == set(OPTIMIZERS), output_of(result)
+    closest = {"SparseAdaGrad": "Adagrad", "KFAC+SGD": "SGD", "SGD": "SGD", "Adagrad": "Adagrad"}
+    for name, row in rows.items():
+        assert row["size"] == "shrunk" and row["closest"] == closest.get(name, "Adam")
+        step, iteration = float(row["step_ms"]), float(row["iteration_ms"])
+        assert 0 < step < iteration, row
+        assert int(row["state_bytes"]) > 0
+        base = rows[row["closest"]]
+        assert float(row["step_vs_closest"]) == pytest.approx(step / float(base["step_ms"]), rel=1e-9)
+        assert float(row["iteration_vs_adam"]) == pytest.approx(iteration / float(rows["Adam"]["iteration_ms"]),
+                                                                rel=1e-9)
+    # Whole periods of the periodic work are timed.
+    assert int(rows["KFAC+SGD"]["iterations"]) % int(rows["KFAC+SGD"]["period"]) == 0
+    assert int(rows["FOSI-Adam"]["iterations"]) % int(rows["FOSI-Adam"]["period"]) == 0
 
 
 def test_resnet18_has_its_parameter_count():
