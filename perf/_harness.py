@@ -472,7 +472,7 @@ def run_benchmark(
     *,
     name: str,
     parser: argparse.ArgumentParser,
-    cases: Callable[[argparse.Namespace, BenchContext], Iterable[Case]],
+    cases: Callable[[argparse.Namespace, BenchContext], Iterable[Callable[[], Case | list[Case]]]],
     shape_columns: Sequence[str],
     plots: Sequence[Plot],
     argv: Optional[Sequence[str]] = None,
@@ -483,10 +483,12 @@ def run_benchmark(
 ) -> int:
     """A benchmark's whole main: parse, announce, measure every case, print, write, plot.
 
-    ``cases`` yields the benchmark's :class:`Case` objects (it may read the parsed arguments
-    and the context: device, primary provider, smoke mode). ``extra_rows`` adds measurements
-    that are not op cases (a training step); they go to the CSV and a second table. A case
-    that runs out of GPU memory is skipped with a message.
+    ``cases`` yields, per shape, a function that allocates the inputs and returns the
+    :class:`Case` (or the cases sharing those inputs); it may read the parsed arguments and
+    the context: device, primary provider, smoke mode. Allocating in the harness's loop keeps
+    one shape's inputs alive at a time, and a shape that runs out of GPU memory is skipped
+    with a message. ``extra_rows`` adds measurements that are not op cases (a training
+    step); they go to the CSV and a second table.
     """
     args = parser.parse_args(argv)
     device = default_device()
@@ -502,11 +504,16 @@ def run_benchmark(
         print(line)
 
     rows: list[dict[str, object]] = []
-    for case in cases(args, context):
+    for make in cases(args, context):
         try:
-            rows += measure_case(case, context)
+            # Allocated here, inside the try, and freed before the next: one case's inputs at a time.
+            made = make()
+            for case in made if isinstance(made, list) else [made]:
+                rows += measure_case(case, context)
         except torch.cuda.OutOfMemoryError:
-            print(f"skipped {case.op} {case.shape}: out of GPU memory")
+            what = getattr(make, "func", make)
+            print(f"skipped {what.__name__}{tuple(getattr(make, 'args', ()))}: out of GPU memory")
+        made = case = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
     extra = extra_rows(args, context)

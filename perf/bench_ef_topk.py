@@ -27,6 +27,7 @@ if __name__ == "__main__" and not __package__:  # python perf/bench_ef_topk.py
     _as_module.run(__file__)
 
 import sys
+from functools import partial
 
 import torch
 
@@ -103,8 +104,8 @@ def cases(args, context: harness.BenchContext):
     else:
         shapes = sweep_shapes(args.block_sizes, ELEMENTS_LOG2_RANGE[1] if context.on_gpu else CPU_MAX_ELEMENTS_LOG2)
     for num_blocks, block_size in shapes:
-        yield case(num_blocks, block_size, harness.entries_per_block(args.density, block_size), dtype,
-                   context.device)
+        yield partial(case, num_blocks, block_size, harness.entries_per_block(args.density, block_size), dtype,
+                      context.device)
 
 
 def parser():

@@ -35,6 +35,7 @@ if __name__ == "__main__" and not __package__:  # python perf/bench_kfac.py
 
 import sys
 import time
+from functools import partial
 
 import torch
 from torch import nn
@@ -115,9 +116,9 @@ def cases(args, context: harness.BenchContext):
     else:
         factor_shapes, precond_shapes = CPU_FACTOR_SHAPES, CPU_PRECOND_SHAPES
     for n, d in factor_shapes:
-        yield factor_case(n, d, context.device, args.precision)
+        yield partial(factor_case, n, d, context.device, args.precision)
     for g, a in precond_shapes:
-        yield precondition_case(g, a, context.device, args.precision)
+        yield partial(precondition_case, g, a, context.device, args.precision)
 
 
 def train_step_rows(args, context: harness.BenchContext) -> list[dict]:

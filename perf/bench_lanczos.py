@@ -57,6 +57,7 @@ if __name__ == "__main__" and not __package__:  # python perf/bench_lanczos.py
 
 import math
 import sys
+from functools import partial
 
 import torch
 
@@ -211,9 +212,9 @@ def cases(args, context: harness.BenchContext):
     for n in elements:
         for dtype_name in args.dtypes:
             for m in basis_rows:
-                yield gram_schmidt_case(n, m, DTYPES[dtype_name], args.passes, context.device)
+                yield partial(gram_schmidt_case, n, m, DTYPES[dtype_name], args.passes, context.device)
         for r in ranks:
-            yield fosi_step_case(n, r, context.device)
+            yield partial(fosi_step_case, n, r, context.device)
 
 
 def parser():

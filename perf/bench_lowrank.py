@@ -20,6 +20,7 @@ if __name__ == "__main__" and not __package__:  # python perf/bench_lowrank.py
     _as_module.run(__file__)
 
 import sys
+from functools import partial
 
 import torch
 
@@ -46,25 +47,28 @@ def floor_bytes(n: int, p: int) -> int:
     return 24 * n * p
 
 
+def case(n: int, cols: int, rank: int, device: torch.device) -> harness.Case:
+    grad = torch.randn((n, cols), device=device)
+    q = torch.randn((cols, rank), device=device)
+
+    def provider(fn):
+        def build():
+            error = torch.zeros_like(grad)
+            return lambda: fn(grad, error, q)
+
+        return build
+
+    return harness.Case(
+        op=OP, shape=dict(n=n, p=cols, rank=rank, elements=n * cols), floor_bytes=floor_bytes(n, cols),
+        triton=provider(lowrank_ef_triton), reference=provider(lowrank_ef_reference),
+        public=provider(tritonopt.ops.lowrank_ef), torch=provider(torch_composite),
+    )
+
+
 def cases(args, context: harness.BenchContext):
     shapes = SMOKE_SHAPES if args.smoke else (GPU_SHAPES if context.on_gpu else CPU_SHAPES)
     for n, cols in shapes:
-        grad = torch.randn((n, cols), device=context.device)
-        q = torch.randn((cols, args.rank), device=context.device)
-
-        def provider(fn, grad=grad, q=q):
-            def build():
-                error = torch.zeros_like(grad)
-                return lambda: fn(grad, error, q)
-
-            return build
-
-        yield harness.Case(
-            op=OP, shape=dict(n=n, p=cols, rank=args.rank, elements=n * cols),
-            floor_bytes=floor_bytes(n, cols),
-            triton=provider(lowrank_ef_triton), reference=provider(lowrank_ef_reference),
-            public=provider(tritonopt.ops.lowrank_ef), torch=provider(torch_composite),
-        )
+        yield partial(case, n, cols, args.rank, context.device)
 
 
 def parser():

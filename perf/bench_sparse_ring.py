@@ -30,6 +30,7 @@ if __name__ == "__main__" and not __package__:  # python perf/bench_sparse_ring.
     _as_module.run(__file__)
 
 import sys
+from functools import partial
 
 import torch
 
@@ -64,7 +65,8 @@ def floor_bytes(op: str, m: int, k_total: int, d: int) -> int:
     return 2 * k_total * 8 if op == "sparse_ring_insert" else m * k_total * 8 + 4 * d
 
 
-def shape_cases(num_blocks, m, k, block_size, device):
+def shape_cases(num_blocks, m, k, block_size, device) -> list[harness.Case]:
+    """The three ops on one ring (SP, LCG, insertion), sharing its inputs."""
     d = num_blocks * block_size
     indices, values = make_ring(num_blocks, m, k, block_size, device)
     absolute = absolute_indices(indices, block_size)  # [num_blocks, m, k] int64
@@ -113,10 +115,9 @@ def shape_cases(num_blocks, m, k, block_size, device):
 
     k_total = num_blocks * k
     shape = dict(m=m, d=d, num_blocks=num_blocks, block_size=block_size, k_per_block=k)
-    for op, providers in ops.items():
-        extra = {"dense": dense[op]} if op in dense else {}
-        yield harness.Case(op=op, shape=shape, floor_bytes=floor_bytes(op, m, k_total, d), extra=extra,
-                           **providers)
+    return [harness.Case(op=op, shape=shape, floor_bytes=floor_bytes(op, m, k_total, d),
+                         extra={"dense": dense[op]} if op in dense else {}, **providers)
+            for op, providers in ops.items()]
 
 
 def cases(args, context: harness.BenchContext):
@@ -131,7 +132,7 @@ def cases(args, context: harness.BenchContext):
     print(f"m = {m}, density {args.density:g} (k = {k} per block of {block_size}); floor bytes = "
           "m * k_total * 8 + 4 d (SP, LCG), 2 * k_total * 8 (insertion)")
     for num_blocks, bs in shapes:
-        yield from shape_cases(num_blocks, m, k, bs, context.device)
+        yield partial(shape_cases, num_blocks, m, k, bs, context.device)
 
 
 def parser():

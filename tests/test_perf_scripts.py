@@ -199,3 +199,22 @@ def test_scripts_do_not_edit_sys_path():
         if path.name == "_as_module.py":  # the file entry point's one job
             continue
         assert "sys.path" not in path.read_text(), path.name
+
+
+def test_a_shape_out_of_gpu_memory_is_skipped(tmp_path, capsys):
+    harness = perf_module("_harness")
+
+    def too_large():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    def small():
+        x = torch.ones(1024)
+        return harness.Case(op="scale", shape={"n": 1024}, floor_bytes=8 * 1024,
+                            reference=lambda: (lambda: x * 2), torch=lambda: (lambda: x.mul(2)))
+
+    status = harness.run_benchmark(
+        name="scale", parser=harness.bench_parser("scale", smoke_help="small"), argv=["--smoke", "--out", str(tmp_path)],
+        cases=lambda args, context: [too_large, small], shape_columns=("n",), plots=[])
+    assert status == 0
+    assert "skipped too_large(): out of GPU memory" in capsys.readouterr().out
+    assert {row["provider"] for row in read_csv(tmp_path / "scale.csv")} == {"reference", "torch", "floor"}
