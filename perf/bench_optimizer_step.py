@@ -208,10 +208,6 @@ def measure(entry: Entry, size: Size, device: torch.device, *, min_iterations: i
         "state_bytes": step.state_bytes(),
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else "",
     }
-    del step, model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -284,7 +280,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         use_nvtx=use_nvtx))
                 except torch.cuda.OutOfMemoryError:
                     print(f"skipped {entry.name} at {size_name}: out of GPU memory")
-                    gc.collect()
+                # Here, not in the except block: the traceback held the model and state until now.
+                gc.collect()
+                if device.type == "cuda":
                     torch.cuda.empty_cache()
                 bar.update(1)
     add_ratios(rows)
