@@ -30,13 +30,13 @@ basis ``V: [r, n]`` with ``r = k + l`` orthonormal-ish rows::
   and for ``g2``), Adam's two moments read and written (``4 n``), ``w`` (or a stored ``u``)
   read and written twice (``4 n``).
 
-The floors assume every byte comes from memory: the bandwidth is the faster of a copy and a
-read (a read-mostly op such as these streams faster than a copy on a CPU, which also reads
-each line it writes), and every timed call starts with cold caches (``do_bench``'s L2 flush
-on a GPU; the harness's own flush on the CPU). Without both, the composites ran at 145-166 %
-of the floor on the CPU: on a copy-bandwidth floor, at sizes whose basis stayed cached
-between calls. A basis that fits in the GPU's L2 could still be read twice from it within
-one call, and beat the floor there.
+The floors assume every byte comes from memory at the device's best streaming rate: the
+bandwidth is the faster of a copy and a gemv read (on a CPU these read-mostly ops, built from
+gemv, move bytes faster than a copy, which also reads each line it writes), and every timed
+call starts with cold caches (``do_bench``'s L2 flush on a GPU; the harness's own flush on the
+CPU). On the copy's rate alone, with warm caches, the CPU composites ran faster than their
+"floor". A basis that fits in the GPU's L2 can still be read twice from it within one call,
+and beat the floor there.
 
 Every op is timed on the same buffers call after call (the FOSI step keeps updating ``w``
 and the moments; the work per call does not change). Without a CUDA device the script says
