@@ -101,7 +101,7 @@ def format_markdown(rows: list[dict]) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row['optimizer']} | {row['final_train_loss']:.4f} | "
+            f"| {row['optimizer']} | {row['final_train_loss']:.3g} | "
             f"{row['test_accuracy_pct']:.2f} % | "
             f"{row['test_accuracy_min_pct']:.2f}–{row['test_accuracy_max_pct']:.2f} % | "
             f"{row['state_bytes'] / 2**10:,.1f} KiB | {row['ms_per_step']:.2f} |"
