@@ -5,17 +5,24 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tritonopt-installed
+# pip shows what it downloads and installs; PIP_FLAGS=--quiet silences it.
+PIP_FLAGS ?=
 
-.PHONY: install test test-all compile-check demo experiments bench autotune clean
+.PHONY: install test test-all compile-check demo demo-reference experiments bench autotune clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@echo "==> creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,perf,demo]"
+	@echo "==> upgrading pip"
+	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
+	@echo "==> installing $(TORCH_SPEC) (the largest download, the first time)"
+	$(PY) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
+	@echo "==> installing tritonopt (editable) with its test, perf and demo extras"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[test,perf,demo]"
 	touch $(STAMP)
+	@echo "==> installed into $(VENV)"
 
 test: install
 	$(PY) -m pytest -q
@@ -30,27 +37,36 @@ test-all: install
 compile-check: install
 	$(PY) -m pytest -q -p no:cacheprovider -m compile tests/test_sm90_compile.py
 
+# The demo writes to perf/results/local/demo/ (not committed).
 demo: install
-	$(PY) perf/demo_digits.py
+	@echo "==> training 8 optimizers x 2 seeds on the digits MLP (about a minute on 2 CPU cores)"
+	$(PY) -m perf.demo_digits
 
-# The papers' claims at CPU scale; each writes its table and plot under perf/results/.
+# Regenerates the committed figures the README quotes, perf/results/demo/.
+demo-reference: install
+	$(PY) -m perf.demo_digits --out perf/results/demo
+
+# The papers' claims at CPU scale; each writes its table and plot under perf/results/ and
+# exits 1 when a claim it checks fails.
 experiments: install
-	$(PY) perf/efcp_experiment.py
-	$(PY) perf/kfac_experiment.py
-	$(PY) perf/kaisa_tradeoff.py
-	$(PY) perf/fosi_experiment.py
+	$(PY) -m perf.efcp_experiment
+	$(PY) -m perf.kfac_experiment
+	$(PY) -m perf.kaisa_tradeoff
+	$(PY) -m perf.fosi_experiment
 
-# Kernel benchmarks; on a machine without CUDA they time the torch reference only.
+# Kernel and optimizer-step benchmarks; on a machine without CUDA they time the reference
+# path only, into perf/results/cpu/ (not committed).
 bench: install
-	$(PY) perf/bench_ef_topk.py
-	$(PY) perf/bench_sparse_ring.py
-	$(PY) perf/bench_lowrank.py
-	$(PY) perf/bench_kfac.py
-	$(PY) perf/bench_lanczos.py
+	$(PY) -m perf.bench_ef_topk
+	$(PY) -m perf.bench_sparse_ring
+	$(PY) -m perf.bench_lowrank
+	$(PY) -m perf.bench_kfac
+	$(PY) -m perf.bench_lanczos
+	$(PY) -m perf.bench_optimizer_step
 
 # Warm Triton's autotune cache for real model shapes (GPU) and record the chosen configs.
 autotune: install
-	$(PY) perf/autotune.py --model resnet18 bert-base
+	$(PY) -m perf.autotune --model resnet18 bert-base
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

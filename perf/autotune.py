@@ -25,13 +25,17 @@ workload once on the current backend at shapes shrunk a thousandfold
 (``--smoke`` always shrinks them), which checks the shapes are valid for the
 ops and nothing more.
 
-    python perf/autotune.py [--model resnet18 bert-base] [--smoke] [--nvtx] [--out DIR]
-    nsys profile -t nvtx,cuda python perf/autotune.py --nvtx
+    python -m perf.autotune [--model resnet18 bert-base] [--smoke] [--nvtx] [--out DIR]
+    nsys profile -t nvtx,cuda python -m perf.autotune --nvtx
 """
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__" and not __package__:  # python perf/autotune.py
+    import _as_module
+
+    _as_module.run(__file__)
+
 import json
 import math
 import os
@@ -42,17 +46,10 @@ from typing import Callable
 
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # read when Triton's knobs are first used
 
-try:
-    import tritonopt  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
 
-import torch
-
-import _bench_common as bench
-import tritonopt
-from tritonopt._runtime import HAS_TRITON, nvtx_range
-from tritonopt.optim._blocks import kept_per_block
+import tritonopt  # noqa: E402
+from perf import _harness as bench  # noqa: E402
 
 NO_CUDA_MESSAGE = ("no CUDA device: nothing to autotune; running each workload once at shrunken shapes "
                    "to check them (times are not representative)")
@@ -127,7 +124,7 @@ def workloads(model: ModelShapes, device: torch.device) -> list[Workload]:
         return torch.randn(*shape, generator=gen, device=device)
 
     num_blocks = math.ceil(model.num_params / model.block_size)
-    k = kept_per_block(model.density, None, model.block_size)
+    k = bench.entries_per_block(model.density, model.block_size)
     out: list[Workload] = []
 
     def ef_topk():
@@ -215,13 +212,14 @@ def workloads(model: ModelShapes, device: torch.device) -> list[Workload]:
 
 
 def autotuned_kernels() -> dict[str, object]:
-    """Every autotuned kernel in ``tritonopt.kernels``, by ``module.name``."""
-    if not HAS_TRITON:
-        return {}
+    """Every kernel in ``tritonopt.kernels`` with a config space (timed or pinned), by ``module.name``."""
     import importlib
     import pkgutil
 
-    from triton.runtime.autotuner import Autotuner
+    from tritonopt._runtime import HAS_TRITON, tuning_space
+
+    if not HAS_TRITON:  # no Triton: nothing autotunes
+        return {}
 
     import tritonopt.kernels as kernels_pkg
 
@@ -229,18 +227,21 @@ def autotuned_kernels() -> dict[str, object]:
     for info in pkgutil.iter_modules(kernels_pkg.__path__):
         module = importlib.import_module(f"tritonopt.kernels.{info.name}")
         for name, obj in vars(module).items():
-            if isinstance(obj, Autotuner):
+            if tuning_space(obj) is not None:
                 found[f"{info.name}.{name}"] = obj
     return found
 
 
 def chosen_configs(kernels: dict[str, object]) -> list[dict]:
     """The config each kernel picked at every key it has seen (empty where it did not tune)."""
+    from tritonopt._runtime import tuning_space
+
     rows = []
     for name, tuner in sorted(kernels.items()):
         for key, config in getattr(tuner, "cache", {}).items():
             rows.append({"kernel": name, "key_names": ",".join(tuner.keys), "key": repr(key),
-                         "config": str(config), "candidates": len(tuner.configs)})
+                         "config": str(config), "candidates": len(tuner.configs),
+                         "pinned": tuning_space(tuner).pinned})
     return rows
 
 
@@ -250,11 +251,7 @@ def run_model(model: ModelShapes, device: torch.device, use_nvtx: bool) -> list[
         call = work.build()
         label = f"tritonopt/autotune/{model.name}/{work.op}"
 
-        def timed(call=call, label=label):
-            if use_nvtx:
-                with nvtx_range(label):
-                    return call()
-            return call()
+        timed = bench.with_range(label, call, use_nvtx)
 
         timed()  # the first call at a new key bucket tunes
         timing = bench.time_ms(timed, device, cpu_reps=1, cpu_warmup=0)
@@ -268,13 +265,11 @@ def run_model(model: ModelShapes, device: torch.device, use_nvtx: bool) -> list[
     return rows
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Warm and record tritonopt's Triton autotune cache for real model shapes.")
+def parse_args(argv: list[str] | None):
+    parser = bench.bench_parser("Warm and record tritonopt's Triton autotune cache for real model shapes.",
+                                smoke_help="shrunken shapes, to check the script")
     parser.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["resnet18"],
                         help="models whose shapes to tune (default: %(default)s)")
-    parser.add_argument("--smoke", action="store_true", help="shrunken shapes, to check the script")
-    parser.add_argument("--nvtx", action="store_true", help="wrap each call in an NVTX range")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default: perf/results/<device>/)")
     return parser.parse_args(argv)
 
 
@@ -284,12 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if on_gpu else "cpu")
     if not on_gpu:
         print(NO_CUDA_MESSAGE)
-    out_dir = args.out or bench.default_results_dir()
+    use_nvtx = bench.nvtx_enabled(args.nvtx, device)
+    out_dir = bench.output_dir(args.out, bench.device_results_dir(), smoke=args.smoke, name="autotune")
     kernels = autotuned_kernels()
     for name in args.model:
         model = MODELS[name] if on_gpu and not args.smoke else shrink(MODELS[name])
         print(f"{model.name}: {model.num_params:,} parameters, {len(model.layers)} layer shapes, on {bench.device_name()}")
-        rows = run_model(model, device, args.nvtx)
+        rows = run_model(model, device, use_nvtx)
         configs = chosen_configs(kernels) if on_gpu else []
         csv_path = bench.write_results(rows, out_dir, f"autotune_{model.name}")
         json_path = Path(out_dir) / f"autotune_{model.name}.json"

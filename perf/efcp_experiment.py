@@ -1,140 +1,73 @@
 """EFCP's claim at CPU scale: a 99 %-sparse M-FAC with error feedback trains like dense M-FAC.
 
-Protocol: scikit-learn's digits (fixed permutation, 1437 train /
-360 test, features standardised with the training statistics), an MLP
-64-256-256-10 with ReLU and cross-entropy (d = 85,002), batch 32 (45 steps per
-epoch), constant learning rate, no weight decay, 10 epochs, seeds 0 and 1.
+Protocol: scikit-learn's digits (fixed permutation, 1437 train / 360 test, features
+standardised with the training statistics), an MLP 64-256-256-10 with ReLU and cross-entropy
+(d = 85,002), batch 32 (45 steps per epoch), constant learning rate, no weight decay,
+10 epochs, seeds 0 and 1.
 
-Optimizers: SGD (lr 0.05, momentum 0.9); dense M-FAC (m = 128, damp 0.03, lr 0.01);
-S-MFAC with the same m, damp and lr at 1 % density (blocks of 4096, 41 kept per
-block) with and without error feedback, and at 0.1 %; LR-MFAC (rank 4).
+Optimizers (``perf/_optimizers.py``): SGD (lr 0.05, momentum 0.9); dense M-FAC (m = 128,
+damp 0.03, lr 0.01); S-MFAC with the same m, damp and lr at 1 % density (blocks of 4096, 41
+kept per block) with and without error feedback, and at 0.1 %; LR-MFAC (rank 4).
 
-Reported per optimizer: final train loss (full training set, after the last
-step), test accuracy, optimizer-state bytes and ms per step (mean over seeds), and
-a plot of the per-epoch mean training loss. The claim checked:
+Reported per optimizer: final train loss (full training set, after the last step), test
+accuracy, optimizer-state bytes and ms per step (mean over seeds), and a plot of the
+per-epoch mean training loss. The claims checked (exit status 1 if one fails):
 
-* S-MFAC 1 % + EF: final train loss within 2x of dense M-FAC's and test accuracy
-  within 1 point (means over seeds);
+* S-MFAC 1 % + EF: final train loss within 2x of dense M-FAC's and test accuracy within
+  1 point (means over seeds);
 * S-MFAC 1 % without EF: a clearly higher final train loss than with EF;
-* S-MFAC's state at least 30x smaller than dense M-FAC's.
-
-The ``build_*`` functions are the entries of ``perf/demo_digits.py``:
-``build(model, steps_per_epoch) -> TrainStep`` where ``TrainStep(x, y, loss_fn)``
-runs forward, backward and the update and returns the batch loss, and
-``TrainStep.state_bytes()`` reports the optimizer state.
+* S-MFAC's state at least 30x smaller than dense M-FAC's (the one a smoke run checks).
 
 Run from the repository root (about a minute on 2 CPU cores)::
 
-    python perf/efcp_experiment.py [--epochs 10] [--seeds 0 1] [--out perf/results/efcp]
-    python perf/efcp_experiment.py --smoke --out /tmp/efcp     # seconds: checks the plumbing
+    python -m perf.efcp_experiment [--epochs 10] [--seeds 0 1] [--out perf/results/efcp]
+    python -m perf.efcp_experiment --smoke     # seconds: checks the plumbing
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
-from pathlib import Path
-from typing import Callable
+if __name__ == "__main__" and not __package__:  # python perf/efcp_experiment.py
+    import _as_module
 
-try:
-    import tritonopt  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    _as_module.run(__file__)
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import _bench_common as bench
-from _digits import OptimizerStep, TrainStep, load_digits_split, make_mlp
-from tritonopt.optim.mfac import MFAC, SparseMFAC
+from perf import _harness as harness
+from perf import _optimizers as optimizers
+from perf._digits import load_digits_split, make_mlp, steps_per_epoch, train
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "efcp"
-BATCH = 32
-# Hyperparameters that train this task well within a few epochs.
-MFAC_HYPER = dict(lr=0.01, ngrads=128, damp=0.03)
-SPARSE_BLOCK = 4096
-LOWRANK_HYPER = dict(lr=0.01, ngrads=128, damp=0.03, rank=4)
-
-
-def build_sgd(model: torch.nn.Module, steps_per_epoch: int) -> TrainStep:
-    return OptimizerStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-
-
-def build_mfac(model: torch.nn.Module, steps_per_epoch: int) -> TrainStep:
-    """Dense M-FAC, window 128, damp 0.03, lr 0.01."""
-    return OptimizerStep(model, MFAC(model.parameters(), **MFAC_HYPER))
-
-
-def build_sparse_mfac(
-    model: torch.nn.Module, steps_per_epoch: int, *, density: float = 0.01,
-    error_feedback: bool = True,
-) -> TrainStep:
-    """S-MFAC at 1 % density (blocks of 4096), error feedback, same m / damp / lr as M-FAC."""
-    optimizer = SparseMFAC(
-        model.parameters(), density=density, block_size=SPARSE_BLOCK,
-        error_feedback=error_feedback, **MFAC_HYPER,
-    )
-    return OptimizerStep(model, optimizer)
-
-
-def build_sparse_mfac_no_ef(model: torch.nn.Module, steps_per_epoch: int) -> TrainStep:
-    return build_sparse_mfac(model, steps_per_epoch, error_feedback=False)
-
-
-def build_sparse_mfac_01(model: torch.nn.Module, steps_per_epoch: int) -> TrainStep:
-    return build_sparse_mfac(model, steps_per_epoch, density=0.001)
-
-
-def build_lowrank_mfac(model: torch.nn.Module, steps_per_epoch: int) -> TrainStep:
-    """LR-MFAC: rank-4 power-iteration compression with error feedback, same m / damp / lr."""
-    from tritonopt.optim.lowrank_mfac import LowRankMFAC
-
-    return OptimizerStep(model, LowRankMFAC(model.parameters(), **LOWRANK_HYPER))
-
+NAME = "efcp"
+DEFAULT_OUT = harness.RESULTS_DIR / NAME
+STATE_RATIO = 30  # S-MFAC's state at least this many times smaller than dense M-FAC's
+SMOKE_STEPS = 5
 
 RUNS = {
-    "SGD": build_sgd,
-    "D-MFAC": build_mfac,
-    "S-MFAC 1% EF": build_sparse_mfac,
-    "S-MFAC 1% no EF": build_sparse_mfac_no_ef,
-    "S-MFAC 0.1% EF": build_sparse_mfac_01,
-    "LR-MFAC r4": build_lowrank_mfac,
+    "SGD": optimizers.build_sgd,
+    "D-MFAC": optimizers.build_mfac,
+    "S-MFAC 1% EF": optimizers.build_sparse_mfac,
+    "S-MFAC 1% no EF": optimizers.build_sparse_mfac_no_ef,
+    "S-MFAC 0.1% EF": optimizers.build_sparse_mfac_01,
+    "LR-MFAC r4": optimizers.build_lowrank_mfac,
 }
 
 
 # --------------------------------------------------------------------------- training
 
 
-def train_one(name, build, data, seed, epochs, max_steps=None):
-    x_train, y_train, x_test, y_test = data.x_train, data.y_train, data.x_test, data.y_test
+def train_one(name, build, data, seed, epochs, max_steps=None, progress=None) -> dict:
     model = make_mlp(seed)
-    steps_per_epoch = -(-len(x_train) // BATCH)
-    step = build(model, steps_per_epoch)
-    loss_fn = torch.nn.functional.cross_entropy
-    gen = torch.Generator().manual_seed(1000 + seed)
-    epoch_losses, seconds, steps = [], 0.0, 0
-    for _ in range(epochs):
-        order = torch.randperm(len(x_train), generator=gen)
-        losses = []
-        for start in range(0, len(x_train), BATCH):
-            batch = order[start : start + BATCH]
-            began = time.perf_counter()
-            losses.append(step(x_train[batch], y_train[batch], loss_fn))
-            seconds += time.perf_counter() - began
-            steps += 1
-            if max_steps is not None and steps >= max_steps:
-                break
-        epoch_losses.append(float(np.mean(losses)))
-        if max_steps is not None and steps >= max_steps:
-            break
-    with torch.no_grad():
-        train_loss = float(loss_fn(model(x_train), y_train))
-        accuracy = float((model(x_test).argmax(1) == y_test).float().mean()) * 100
+    step = build(model, steps_per_epoch(data))
+    run = train(model, step, data, seed=seed, epochs=epochs, max_steps=max_steps,
+                on_step=progress.update if progress is not None else (lambda: None))
     return {
-        "optimizer": name, "seed": seed, "final_train_loss": train_loss,
-        "test_accuracy": accuracy, "state_bytes": step.state_bytes(),
-        "ms_per_step": 1e3 * seconds / max(1, steps), "epoch_losses": epoch_losses,
+        "optimizer": name, "seed": seed, "final_train_loss": run.train_losses[-1],
+        "test_accuracy": run.test_accuracies[-1] * 100, "state_bytes": step.state_bytes(),
+        "ms_per_step": run.ms_per_step, "epoch_losses": run.mean_batch_losses,
     }
 
 
@@ -156,31 +89,30 @@ def summarise(rows):
     return summary
 
 
-def claim_checks(summary):
+def claims(summary) -> list[harness.Claim]:
     dense, sparse = summary.get("D-MFAC"), summary.get("S-MFAC 1% EF")
     plain = summary.get("S-MFAC 1% no EF")
     if not (dense and sparse and plain):
         return []
     return [
-        ("S-MFAC 1% EF loss within 2x of D-MFAC",
-         sparse["final_train_loss"] <= 2 * dense["final_train_loss"],
-         f"{sparse['final_train_loss']:.4f} vs {dense['final_train_loss']:.4f}"),
-        ("S-MFAC 1% EF accuracy within 1 pt of D-MFAC",
-         abs(sparse["test_accuracy"] - dense["test_accuracy"]) <= 1.0,
-         f"{sparse['test_accuracy']:.2f} vs {dense['test_accuracy']:.2f}"),
-        ("no EF ends with a higher loss than EF",
-         plain["final_train_loss"] > sparse["final_train_loss"],
-         f"{plain['final_train_loss']:.4f} vs {sparse['final_train_loss']:.4f}"),
-        ("S-MFAC state >= 30x smaller than D-MFAC",
-         dense["state_bytes"] >= 30 * sparse["state_bytes"],
-         f"{dense['state_bytes'] / sparse['state_bytes']:.1f}x"),
+        harness.Claim("S-MFAC 1% EF loss within 2x of D-MFAC",
+                      sparse["final_train_loss"] <= 2 * dense["final_train_loss"],
+                      f"{sparse['final_train_loss']:.4f} vs {dense['final_train_loss']:.4f}"),
+        harness.Claim("S-MFAC 1% EF accuracy within 1 pt of D-MFAC",
+                      abs(sparse["test_accuracy"] - dense["test_accuracy"]) <= 1.0,
+                      f"{sparse['test_accuracy']:.2f} vs {dense['test_accuracy']:.2f}"),
+        harness.Claim("no EF ends with a higher loss than EF",
+                      plain["final_train_loss"] > sparse["final_train_loss"],
+                      f"{plain['final_train_loss']:.4f} vs {sparse['final_train_loss']:.4f}"),
+        harness.Claim(f"S-MFAC state >= {STATE_RATIO}x smaller than D-MFAC",
+                      dense["state_bytes"] >= STATE_RATIO * sparse["state_bytes"],
+                      f"{dense['state_bytes'] / sparse['state_bytes']:.1f}x", smoke_scale=True),
     ]
 
 
-def write_outputs(rows, summary, out_dir: Path, args) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write_outputs(rows, summary, checks, out_dir: Path, args) -> None:
     csv_rows = [{k: v for k, v in r.items() if k != "epoch_losses"} for r in rows]
-    csv_path = bench.write_results(csv_rows, out_dir, "efcp")
+    csv_path = harness.write_results(csv_rows, out_dir, NAME)
     headers = ["optimizer", "final train loss (mean)", "per seed", "test acc % (mean)",
                "state MiB", "ms/step"]
     table_rows = [
@@ -188,17 +120,16 @@ def write_outputs(rows, summary, out_dir: Path, args) -> None:
          s["test_accuracy"], s["state_bytes"] / 2**20, s["ms_per_step"]]
         for name, s in summary.items()
     ]
-    table = bench.format_table(headers, table_rows)
-    print(table)
-    checks = claim_checks(summary)
+    print(harness.format_table(headers, table_rows))
+    command = "python -m perf.efcp_experiment" + (
+        " --smoke" if args.smoke else f" --epochs {args.epochs} --seeds {' '.join(map(str, args.seeds))}")
     lines = [
         "# EFCP on the digits MLP (64-256-256-10, d = 85,002)",
         "",
-        f"Command: `python perf/efcp_experiment.py --epochs {args.epochs} --seeds "
-        f"{' '.join(map(str, args.seeds))}`; device: {bench.device_name()}, "
-        f"torch {torch.__version__}. M-FAC family: m = {MFAC_HYPER['ngrads']}, damp = "
-        f"{MFAC_HYPER['damp']}, lr = {MFAC_HYPER['lr']}; S-MFAC blocks of {SPARSE_BLOCK}; "
-        "SGD lr 0.05, momentum 0.9. Means over seeds.",
+        f"Command: `{command}`; device: {harness.device_name()}, "
+        f"torch {torch.__version__}. M-FAC family: m = {optimizers.MFAC_HYPER['ngrads']}, damp = "
+        f"{optimizers.MFAC_HYPER['damp']}, lr = {optimizers.MFAC_HYPER['lr']}; S-MFAC blocks of "
+        f"{optimizers.SPARSE_BLOCK}; SGD lr 0.05, momentum 0.9. Means over seeds.",
         "",
         "| optimizer | final train loss (mean) | per seed | test acc % (mean) | state MiB | ms/step |",
         "|---|---|---|---|---|---|",
@@ -209,16 +140,14 @@ def write_outputs(rows, summary, out_dir: Path, args) -> None:
         )
     if checks:
         lines += ["", "Claim checks:", ""]
-        lines += [f"- {'PASS' if ok else 'FAIL'}: {text} ({detail})" for text, ok, detail in checks]
-        for text, ok, detail in checks:
-            print(f"{'PASS' if ok else 'FAIL'}: {text} ({detail})")
+        for claim in checks:
+            verdict = "not checked (smoke run)" if args.smoke and not claim.smoke_scale else (
+                "PASS" if claim.holds else "FAIL")
+            lines.append(f"- {verdict}: {claim.text} ({claim.detail})")
     (out_dir / "efcp_summary.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {csv_path} and {out_dir / 'efcp_summary.md'}")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = harness.pyplot()
     except ImportError:
         print("matplotlib is not installed: no plot written")
         return
@@ -238,14 +167,15 @@ def write_outputs(rows, summary, out_dir: Path, args) -> None:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description="EFCP's claim on the digits MLP.")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser = harness.script_parser(
+        __doc__.split("\n\n")[0], default_out="perf/results/efcp/",
+        smoke_help=f"one seed, {SMOKE_STEPS} steps per optimizer: checks the plumbing in seconds "
+        "(only the state-size claim is checked)",
+    )
+    parser.add_argument("--epochs", type=harness.positive_int, default=10, help="(default: %(default)s)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="(default: %(default)s)")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="RUN",
-                        help=f"optimizers to run (default: all of {list(RUNS)})")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR")
-    parser.add_argument("--smoke", action="store_true",
-                        help="one seed, a few steps per optimizer: checks the plumbing in seconds")
+                        help="optimizers to run (default: all of %(choices)s)")
     return parser.parse_args(argv)
 
 
@@ -255,20 +185,20 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if args.smoke:
         args.epochs, args.seeds = 1, [0]
-    max_steps = 5 if args.smoke else None
+    max_steps = SMOKE_STEPS if args.smoke else None
+    out_dir = harness.output_dir(args.out, DEFAULT_OUT, smoke=args.smoke, name=NAME)
     data = load_digits_split()
     rows = []
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress bars are optional
-        def tqdm(iterable, **_):
-            return iterable
     jobs = [(name, seed) for name in args.runs for seed in args.seeds]
-    for name, seed in tqdm(jobs, desc="runs"):
-        rows.append(train_one(name, RUNS[name], data, seed, args.epochs, max_steps))
+    per_run = min(max_steps or 10**9, args.epochs * steps_per_epoch(data))
+    with harness.progress(len(jobs) * per_run, "runs") as bar:
+        for name, seed in jobs:
+            bar.set_description(f"{name}, seed {seed}")
+            rows.append(train_one(name, RUNS[name], data, seed, args.epochs, max_steps, bar))
     summary = summarise(rows)
-    write_outputs(rows, summary, args.out, args)
-    return 0
+    checks = claims(summary)
+    write_outputs(rows, summary, checks, out_dir, args)
+    return harness.report_claims(checks, smoke=args.smoke)
 
 
 if __name__ == "__main__":

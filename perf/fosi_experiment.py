@@ -1,6 +1,6 @@
-"""FOSI, DHO2 and MR-DHO2 claims at CPU scale: the quadratic E1 and the digits MLP (the paper's E1 quadratic and a small-scale DHO2 check).
+"""FOSI, DHO2 and MR-DHO2 claims at CPU scale: the paper's E1 quadratic and the digits MLP.
 
-    python perf/fosi_experiment.py [--smoke] [--epochs 8] [--out DIR]
+    python -m perf.fosi_experiment [--smoke] [--epochs 8] [--out DIR]
 
 E1: f(w) = 1/2 (w - w*)^T A (w - w*), A = Q diag(lambda) Q^T with 10 outliers in
 [50, 100] and the rest in logspace(-2, 0). Heavy-ball (momentum 0.9) against
@@ -37,14 +37,18 @@ Results under ``--out`` (default ``perf/results/fosi/``): ``fosi_e1.csv``,
 ``fosi_digits.csv`` (per-epoch curves), ``fosi_dist.csv`` (D shard sizes),
 ``fosi_comm.csv`` (bytes each distributed run sent, per collective),
 ``fosi.png`` and ``fosi_summary.md``. ``--smoke`` runs a seconds-long version
-of everything (a smaller training set and basis). The demo entry is
-:func:`build_fosi`.
+of everything (a smaller training set and basis) and checks only the claims it can decide
+(DHO2's reproduction, the shard sizes). The exit status is 1 when a checked claim fails.
+FOSI-Adam's train step is ``perf/_optimizers.py``'s, which the demo uses too.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
+if __name__ == "__main__" and not __package__:  # python perf/fosi_experiment.py
+    import _as_module
+
+    _as_module.run(__file__)
+
 import dataclasses
 import datetime
 import math
@@ -60,90 +64,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from perf import _harness as harness
+from perf._digits import TRAIN_SIZE, evaluate, load_digits_split, make_mlp, train
+from perf._optimizers import FosiStep, fosi_hyperparameters
+from tritonopt.dist import DHO2, MRDHO2
+from tritonopt.dist._comm import CountingCommunicator
+from tritonopt.optim import FOSI
 
-from _digits import TRAIN_SIZE, load_digits_split, make_mlp  # noqa: E402
-from tritonopt.dist._comm import CountingCommunicator  # noqa: E402
-from tritonopt.dist.dho2 import DHO2, MRDHO2  # noqa: E402
-from tritonopt.optim._accounting import optimizer_state_bytes  # noqa: E402
-from tritonopt.optim.fosi import FOSI  # noqa: E402
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fosi"
+NAME = "fosi"
+DEFAULT_OUT = harness.RESULTS_DIR / NAME
 # Largest max relative difference of the per-epoch train loss for "DHO2 reproduces
 # FOSI": far below the gaps between methods (Adam vs FOSI-Adam differ by ~20 %).
 CURVE_RTOL = 1e-3
+E1_CLAIMED_RATIO = 3
 DHO2_NAME = "DHO2 (2 ranks)"
 CONTROL_NAME = "FOSI-Adam, gradient of 2 half-batches (rounding control)"
 # Gloo collectives give up after this long (a rank that died would otherwise hang the others).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-class FosiStep:
-    """A demo ``TrainStep``: FOSI-Adam (or DHO2) whose ESE uses the last ``ese_batches`` training batches.
-
-    One 32-sample batch gives a Hessian estimate too noisy for the Newton step
-    (its small Ritz values over-scale directions that are steeper on other
-    batches, and training diverged); 8 batches (256 samples, a usual ESE
-    batch size) are stable.
-
-    With ``world > 1`` (DHO2), this rank's gradient comes from rows
-    ``rank::world`` of the batch, its summed loss scaled by ``world / batch``:
-    the optimizer's mean over ranks is then the whole batch's mean gradient.
-    ``split_batch = C`` (one process) adds up the gradients of the ``C`` slices
-    ``c::C``, each scaled by ``1 / batch``: DHO2's arithmetic for the gradient,
-    the same math as the plain mean with other rounding. The ESE always uses
-    whole batches, the same on every rank.
-    """
-
-    def __init__(self, model, optimizer_kwargs, ese_batches: int = 8, *, optimizer_class=FOSI,
-                 rank: int = 0, world: int = 1, split_batch: int = 1):
-        self.model = model
-        self.recent: list = []
-        self.ese_batches = ese_batches
-        self.loss_fn = None
-        self.rank, self.world = rank, world
-        self.split_batch = world if world > 1 else split_batch
-        self.optimizer = optimizer_class(model.parameters(), curvature_loss_fn=self._ese_loss, **optimizer_kwargs)
-
-    def _ese_loss(self):
-        x = torch.cat([b[0] for b in self.recent])
-        y = torch.cat([b[1] for b in self.recent])
-        return self.loss_fn(self.model(x), y)
-
-    def __call__(self, x, y, loss_fn) -> float:
-        self.loss_fn = loss_fn
-        self.recent = (self.recent + [(x, y)])[-self.ese_batches :]
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.split_batch == 1:
-            loss = loss_fn(self.model(x), y)
-            loss.backward()
-            loss = loss.detach()
-        else:
-            slices = [self.rank] if self.world > 1 else range(self.split_batch)
-            loss = 0.0
-            for s in slices:
-                rows = slice(s, None, self.split_batch)
-                part = loss_fn(self.model(x[rows]), y[rows], reduction="sum") * (self.world / len(y))
-                part.backward()
-                loss = loss + part.detach()
-        self.optimizer.step()
-        return float(loss)
-
-    def state_bytes(self) -> int:
-        return optimizer_state_bytes(self.optimizer)
-
-
-def fosi_hyperparameters(steps_per_epoch: int, *, lr: float = 1e-3, k: int = 10, alpha: float = 0.1,
-                         lanczos_iters: int = 40) -> dict:
-    """FOSI-Adam's settings for the digits runs: ESE at every epoch start after a one-epoch warm-up."""
-    return dict(lr=lr, base="adam", k=k, l=0, alpha=alpha, num_lanczos_iters=lanczos_iters,
-                warmup_steps=steps_per_epoch, curvature_update_every=steps_per_epoch)
-
-
-def build_fosi(model: torch.nn.Module, steps_per_epoch: int) -> FosiStep:
-    """FOSI-Adam for the digits demo: lr 1e-3, k = 10, alpha = 0.1, ESE each epoch after a 1-epoch warm-up."""
-    return FosiStep(model, fosi_hyperparameters(steps_per_epoch))
 
 
 # --------------------------------------------------------------------------- E1
@@ -239,31 +176,21 @@ class DigitsSetup:
         return epochs
 
 
-@torch.no_grad()
-def evaluate(model, data) -> tuple[float, float]:
-    """(train loss over the whole training set, test accuracy)."""
-    loss = torch.nn.functional.cross_entropy(model(data.x_train), data.y_train)
-    accuracy = (model(data.x_test).argmax(1) == data.y_test).float().mean()
-    return float(loss), float(accuracy)
-
-
 def flat_weights(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def train(model, step: Callable, data, setup: DigitsSetup, label: str, report: bool = True) -> dict:
+def train_curve(model, step: Callable, data, setup: DigitsSetup, label: str, report: bool = True) -> dict:
     """Run ``setup.epochs`` epochs of ``step(x, y, loss_fn)``; per-epoch train loss and test accuracy."""
-    loss_fn = torch.nn.functional.cross_entropy
-    losses, accuracies, began = [], [], time.perf_counter()
-    for epoch, batches in enumerate(setup.epoch_batches(), 1):
-        for batch in batches:
-            step(data.x_train[batch], data.y_train[batch], loss_fn)
-        loss, accuracy = evaluate(model, data)
-        losses.append(loss)
-        accuracies.append(accuracy)
+
+    def on_epoch(epoch, run):
         if report:
-            print(f"digits {label}: epoch {epoch} train loss {loss:.5f} test acc {accuracy:.3f}", flush=True)
-    return {"losses": losses, "test_accs": accuracies, "seconds": time.perf_counter() - began}
+            print(f"digits {label}: epoch {epoch} train loss {run.train_losses[-1]:.5f} "
+                  f"test acc {run.test_accuracies[-1]:.3f}", flush=True)
+
+    run = train(model, step, data, seed=setup.seed, epochs=setup.epochs, batch_size=setup.batch_size,
+                on_epoch=on_epoch)
+    return {"losses": run.train_losses, "test_accs": run.test_accuracies, "seconds": run.wall_seconds}
 
 
 def run_single_process(setup: DigitsSetup, data) -> tuple[dict, dict]:
@@ -278,14 +205,14 @@ def run_single_process(setup: DigitsSetup, data) -> tuple[dict, dict]:
         loss_fn(model(x), y).backward()
         adam.step()
 
-    curves["Adam"] = train(model, adam_step, data, setup, "Adam")
+    curves["Adam"] = train_curve(model, adam_step, data, setup, "Adam")
 
     d_facts = {}
     for name, split in (("FOSI-Adam", 1), (CONTROL_NAME, 2)):
         model = make_mlp(setup.seed)
         w0 = flat_weights(model)
         step = FosiStep(model, setup.fosi_kwargs(), setup.ese_batches, split_batch=split)
-        curves[name] = train(model, step, data, setup, name)
+        curves[name] = train_curve(model, step, data, setup, name)
         curves[name]["weights"], curves[name]["w0"] = flat_weights(model), w0
         if split == 1:
             report = step.optimizer.last_lanczos
@@ -336,14 +263,14 @@ def dho2_rank(rank: int, world: int, setup: DigitsSetup, data) -> dict:
     comm = CountingCommunicator()
     step = FosiStep(model, {**setup.fosi_kwargs(), "comm": comm}, setup.ese_batches,
                     optimizer_class=DHO2, rank=rank, world=world)
-    curve = train(model, step, data, setup, DHO2_NAME, report=rank == 0)
+    curve = train_curve(model, step, data, setup, DHO2_NAME, report=rank == 0)
     result = {"curve": curve, "weights": flat_weights(model), "memory": dict(step.optimizer.memory),
               "comm": comm_rows(DHO2_NAME, rank, comm), "rank_of_v": step.optimizer.eigenvalues.numel()}
 
     alone = dist.new_group([0])  # every rank must take part in creating it
     if rank == 0:
         single = DHO2(model.parameters(), group=alone, **setup.fosi_kwargs())
-        single.update_curvature(step._ese_loss)
+        single.update_curvature(step.ese_loss)
         result["memory_one_rank"] = dict(single.memory)
     dist.barrier()
     return result
@@ -421,7 +348,9 @@ def weight_drift(weights: torch.Tensor, reference: dict) -> float:
     return float((weights - reference["weights"]).norm() / (reference["weights"] - reference["w0"]).norm())
 
 
-def digits_claims(setup: DigitsSetup, curves: dict, shard_rows: list[dict], dho2_weights_rel: float) -> list[str]:
+def digits_claims(setup: DigitsSetup, curves: dict, shard_rows: list[dict],
+                  dho2_weights_rel: float) -> tuple[list[str], list[harness.Claim]]:
+    """The digits section of the summary, and the claims it checks."""
     adam, fosi = curves["Adam"], curves["FOSI-Adam"]
     dho2 = curves[DHO2_NAME]
     control = curves[CONTROL_NAME]
@@ -482,28 +411,22 @@ def digits_claims(setup: DigitsSetup, curves: dict, shard_rows: list[dict], dho2
             f"{mr['test_accs'][-1]:.3f}, {place(mr['losses'][-1])}. {helped} of {len(merges)} merges (eq. 17) "
             "lowered the train loss of the workers' first-order weights (before -> after, epochs 2 onwards: "
             + ", ".join(f"{b:.4f} -> {a:.4f}" for b, a in merges) + ").")
-    return lines
+    checks = [
+        harness.Claim("FOSI-Adam's train loss <= Adam's", fosi_final <= adam_final,
+                      f"{fosi_final:.5f} vs {adam_final:.5f}"),
+        harness.Claim(f"DHO2 on 2 ranks reproduces FOSI-Adam's curve within {CURVE_RTOL:g}",
+                      dho2_diff <= CURVE_RTOL, f"max relative difference {dho2_diff:.2e}", smoke_scale=True),
+        harness.Claim("the D shard per rank is m * ceil(n / C) and halves from 1 to 2 ranks",
+                      exact and halves, smoke_scale=True),
+    ]
+    return lines, checks
 
 
 # --------------------------------------------------------------------------- outputs
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    columns: list[str] = []
-    for row in rows:
-        columns += [k for k in row if k not in columns]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def plot(path: Path, e1: list[dict], curves: dict, mr_names: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
     # HB is drawn over FOSI-HB: at small lr the two coincide; missing HB points diverged.
     for method, style in (("FOSI-HB", dict(marker="o", color="C1")),
@@ -538,13 +461,13 @@ def plot(path: Path, e1: list[dict], curves: dict, mr_names: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true",
-                        help="a short run of every part (E1 n = 120; digits: 320 training samples, "
-                             "2 epochs, k = 4, m = 16)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--epochs", type=int, default=8)
+    parser = harness.script_parser(
+        __doc__.splitlines()[0], default_out="perf/results/fosi/",
+        smoke_help="a short run of every part (E1 n = 120; digits: 320 training samples, 2 epochs, "
+        "k = 4, m = 16); checks the claims a short run can decide")
+    parser.add_argument("--epochs", type=int, default=8, help="(default: %(default)s)")
     args = parser.parse_args(argv)
+    out = harness.output_dir(args.out, DEFAULT_OUT, smoke=args.smoke, name=NAME)
     torch.set_num_threads(1)  # the MLP is tiny: one thread is faster, and the ranks get a core each
     began = time.perf_counter()
     if args.smoke:
@@ -577,8 +500,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dho2_weights_rel = weight_drift(dho2[0]["weights"], curves["FOSI-Adam"])
     ranks_agree = all(torch.equal(dho2[0]["weights"], d["weights"]) for d in dho2[1:])
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "fosi_e1.csv", e1)
+    harness.write_results(e1, out, "fosi_e1")
     digit_rows = []
     for name, c in curves.items():
         for epoch, (loss, acc) in enumerate(zip(c["losses"], c["test_accs"]), 1):
@@ -586,32 +508,40 @@ def main(argv: Optional[list[str]] = None) -> int:
             if "losses_before_merge" in c:
                 row["train_loss_before_merge"] = c["losses_before_merge"][epoch - 1]
             digit_rows.append(row)
-    write_csv(args.out / "fosi_digits.csv", digit_rows)
-    write_csv(args.out / "fosi_dist.csv", shard_rows)
+    harness.write_results(digit_rows, out, "fosi_digits")
+    harness.write_results(shard_rows, out, "fosi_dist")
     comm = [row for result in dho2 for row in result["comm"]]
     comm += [row for result in mr for mode in setup.mr_modes for row in result[mode]["comm"]]
-    write_csv(args.out / "fosi_comm.csv", comm)
+    harness.write_results(comm, out, "fosi_comm")
 
     hb, fosi = best(e1, "HB", max_iters), best(e1, "FOSI-HB", max_iters)
     ratio = (hb / fosi) if hb and fosi else float("nan")
+    digits_lines, checks = digits_claims(setup, curves, shard_rows, dho2_weights_rel)
+    checks.insert(0, harness.Claim(f"E1: FOSI-HB needs >= {E1_CLAIMED_RATIO}x fewer iterations than HB",
+                                   ratio >= E1_CLAIMED_RATIO, f"ratio {ratio:.2f}"))
     summary = [
         "# FOSI, DHO2 and MR-DHO2 experiments (CPU)", "",
         f"E1 quadratic, n = {n}: best HB = {hb} iterations, best FOSI-HB = {fosi} iterations "
-        f"(ratio {ratio:.2f}; claim >= 3: {'**holds**' if ratio >= 3 else '**does not hold**'}). "
+        f"(ratio {ratio:.2f}; claim >= {E1_CLAIMED_RATIO}: "
+        f"{'**holds**' if ratio >= E1_CLAIMED_RATIO else '**does not hold**'}). "
         f"-1 = diverged, {max_iters + 1} = not reached.", "",
-        *digits_claims(setup, curves, shard_rows, dho2_weights_rel), "",
+        *digits_lines, "",
         f"The two DHO2 ranks ended with {'bitwise identical' if ranks_agree else 'DIFFERENT'} weights. "
         f"n = {n_params:,} parameters. Per-epoch curves: fosi_digits.csv; D shards: fosi_dist.csv; "
         "bytes per collective: fosi_comm.csv. Wall times are on a shared 2-core CPU, one thread per process.",
         "",
-        f"Command: `python perf/fosi_experiment.py{' --smoke' if args.smoke else ''}"
+        f"Command: `python -m perf.fosi_experiment{' --smoke' if args.smoke else ''}"
         f"{'' if args.smoke or args.epochs == 8 else f' --epochs {args.epochs}'}` "
         f"({time.perf_counter() - began:.0f} s in all, torch {torch.__version__}).",
     ]
-    (args.out / "fosi_summary.md").write_text("\n".join(summary) + "\n")
-    plot(args.out / "fosi.png", e1, curves, [setup.mr_name(mode) for mode in setup.mr_modes])
+    (out / "fosi_summary.md").write_text("\n".join(summary) + "\n")
+    try:
+        plot(out / "fosi.png", e1, curves, [setup.mr_name(mode) for mode in setup.mr_modes])
+    except ImportError:
+        print("matplotlib is not installed: no plot written")
     print("\n".join(summary))
-    return 0
+    print(f"wrote {out}/fosi_{{e1,digits,dist,comm}}.csv, fosi_summary.md and fosi.png")
+    return harness.report_claims(checks, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,16 @@
 #   env      nvidia-smi, versions
 #   gpu      pytest -m gpu
 #   suite    the default suite (pytest, in parallel with pytest-xdist when installed)
-#   bench    every perf/bench_*.py, the SparseMFAC/MFAC optimizer step included
+#   bench    every perf/bench_<op>.py
 #   autotune perf/autotune.py for ResNet-18 and BERT-base
-#   e2e      perf/bench_optimizer_step.py (every optimizer's step at ResNet-18 size)
+#   e2e      perf/bench_optimizer_step.py (every optimizer's step at the demo's and ResNet-18 size)
 # Logs go to $LOG_DIR (default perf/results/<gpu>/logs); results to perf/results/<gpu>/.
 #   bash perf/gpu_run.sh env gpu suite bench autotune e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-label=$($PY -c 'import sys; sys.path.insert(0, "perf"); import _bench_common as b; print(b.device_label())')
+label=$($PY -c 'from perf._harness import device_label; print(device_label())')
 LOG_DIR=${LOG_DIR:-perf/results/$label/logs}
 mkdir -p "$LOG_DIR"
 PHASE_TIMEOUT=${PHASE_TIMEOUT:-300}
@@ -37,11 +37,10 @@ for phase in "$@"; do
     suite) run pytest_suite $PY -m pytest -q $xdist -p no:cacheprovider --junitxml="$LOG_DIR/pytest_suite.xml" ;;
     bench)
       for b in ef_topk sparse_ring lowrank kfac lanczos; do
-        extra=(); [ $b = sparse_ring ] && extra=(--optimizer-step)
-        run bench_$b $PY perf/bench_$b.py "${extra[@]}"
+        run bench_$b $PY -m perf.bench_$b
       done ;;
-    autotune) run autotune $PY perf/autotune.py --model resnet18 bert-base ;;
-    e2e) run e2e $PY perf/bench_optimizer_step.py ;;
+    autotune) run autotune $PY -m perf.autotune --model resnet18 bert-base ;;
+    e2e) run e2e $PY -m perf.bench_optimizer_step ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

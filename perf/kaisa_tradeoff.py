@@ -14,17 +14,21 @@ broadcast of preconditioned gradients. This script measures both on CPU:
   :mod:`tritonopt.dist.kaisa`, and seconds per step.
 
 Timings with 4 processes on a 2-core machine measure oversubscription, not
-KAISA: read the volumes and the memory. Results (``--out``, default
-``perf/results/kaisa/``): ``kaisa_tradeoff.csv``, ``kaisa_tradeoff.md``,
-``kaisa_tradeoff.png``.
+KAISA: read the volumes and the memory. The claim checked (a smoke run checks it too; exit
+status 1 if it fails): every measured memory and received-byte count equals its formula.
+Results (``--out``, default ``perf/results/kaisa/``): ``kaisa_tradeoff.csv``,
+``kaisa_tradeoff.md``, ``kaisa_tradeoff.png``.
 
-    python perf/kaisa_tradeoff.py [--steps 9] [--out DIR] [--smoke]
+    python -m perf.kaisa_tradeoff [--steps 9] [--out DIR] [--smoke]
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
+if __name__ == "__main__" and not __package__:  # python perf/kaisa_tradeoff.py
+    import _as_module
+
+    _as_module.run(__file__)
+
 import os
 import queue
 import socket
@@ -39,16 +43,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from perf import _harness as harness
+from tritonopt.dist import KAISAAssignment, KAISAPreconditioner
+from tritonopt.dist.kaisa import expected_bytes_per_rank, expected_memory_per_rank
 
-from tritonopt.dist.kaisa import (  # noqa: E402
-    KAISAAssignment,
-    KAISAPreconditioner,
-    expected_bytes_per_rank,
-    expected_memory_per_rank,
-)
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kaisa"
+NAME = "kaisa"
+DEFAULT_OUT = harness.RESULTS_DIR / NAME
 WORLD = 4
 FRACTIONS = (0.25, 0.5, 1.0)
 GLOBAL_BATCH = 32
@@ -219,11 +219,7 @@ def markdown(rows: list[dict], steps: int) -> str:
 
 
 def plot(rows: list[dict], steps: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     eigen_steps = len(range(0, steps, INV_STEPS))
 
     def per_fraction(fn, reduce=statistics.mean):
@@ -252,29 +248,38 @@ def plot(rows: list[dict], steps: int, path: Path) -> None:
     plt.close(fig)
 
 
+def claim(rows: list[dict]) -> harness.Claim:
+    """Every rank's K-FAC memory and every collective's received bytes equal the formulas."""
+    mismatches = [
+        f"fraction {r['fraction']:g} rank {r['rank']} {key}"
+        for r in rows
+        for key in ("kfac_bytes", *(f"{label}_received" for label in LABELS))
+        if r[key] != r[f"{key}_formula"]
+    ]
+    return harness.Claim("measured K-FAC memory and bytes received equal the formulas", not mismatches,
+                         "; ".join(mismatches) or f"{len(rows)} rank-fraction pairs", smoke_scale=True)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=9)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--smoke", action="store_true", help="3 steps")
+    parser = harness.script_parser(__doc__.split("\n")[0], default_out="perf/results/kaisa/",
+                                   smoke_help="3 steps")
+    parser.add_argument("--steps", type=harness.positive_int, default=9, help="(default: %(default)s)")
     args = parser.parse_args(argv)
     steps = 3 if args.smoke else args.steps
+    out = harness.output_dir(args.out, DEFAULT_OUT, smoke=args.smoke, name=NAME)
     os.environ.setdefault("TRITONOPT_BACKEND", "reference")  # CPU: the torch references
+    print(f"KAISA on {WORLD} gloo ranks, {steps} steps per grad_worker_fraction {FRACTIONS}", flush=True)
     rows = run_all(steps)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "kaisa_tradeoff.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_results(rows, out, "kaisa_tradeoff")
     text = markdown(rows, steps)
-    (args.out / "kaisa_tradeoff.md").write_text(text)
+    (out / "kaisa_tradeoff.md").write_text(text)
     print(text)
     try:
-        plot(rows, steps, args.out / "kaisa_tradeoff.png")
+        plot(rows, steps, out / "kaisa_tradeoff.png")
     except ImportError:
         print("matplotlib is not installed: no plot written")
-    print(f"wrote {args.out}/kaisa_tradeoff.{{csv,md,png}}")
-    return 0
+    print(f"wrote {out}/kaisa_tradeoff.{{csv,md,png}}")
+    return harness.report_claims([claim(rows)], smoke=args.smoke)
 
 
 if __name__ == "__main__":

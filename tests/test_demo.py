@@ -1,49 +1,71 @@
-"""The demo trains every registered optimizer and writes its table and plot."""
+"""The demo trains every optimizer, writes its table, curves and figure, and the README quotes its table."""
 
 import importlib.util
 import math
-import sys
-from pathlib import Path
+import re
+import shutil
+import subprocess
 
 import pytest
 
+from _perf import REPO_ROOT, output_of, perf_module, read_csv, smoke_run
+
 pytest.importorskip("sklearn")
 
-DEMO = Path(__file__).resolve().parents[1] / "perf" / "demo_digits.py"
 
-
-def load_demo():
-    spec = importlib.util.spec_from_file_location("demo_digits", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_one_epoch_of_every_optimizer(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITONOPT_BACKEND", "reference")  # what a CPU user runs; fast
-    demo = load_demo()
-    rows = demo.main(["--epochs", "1", "--seeds", "1", "--out", str(tmp_path)])
+def test_one_epoch_of_every_optimizer():
+    result, out = smoke_run("demo_digits")
+    assert result.returncode == 0, output_of(result)
+    demo = perf_module("demo_digits")
+    rows = read_csv(out / "demo_digits.csv")
     assert [row["optimizer"] for row in rows] == list(demo.BUILDERS)
     for row in rows:
         # One epoch from the initial ln(10) = 2.30 must already help every optimizer.
-        assert math.isfinite(row["final_train_loss"]) and row["final_train_loss"] < 1.0, row
-        assert row["test_accuracy_pct"] > 50, row
-        assert row["state_bytes"] > 0 and row["ms_per_step"] > 0
-    for name in ("demo_digits.csv", "demo_digits.md", "demo_digits.png"):
-        assert (tmp_path / name).stat().st_size > 0
+        loss = float(row["final_train_loss"])
+        assert math.isfinite(loss) and loss < 1.0, row
+        accuracy = float(row["test_accuracy_pct"])
+        assert accuracy > 50, row
+        assert float(row["test_accuracy_min_pct"]) <= accuracy <= float(row["test_accuracy_max_pct"])
+        assert int(row["state_bytes"]) > 0 and float(row["ms_per_step"]) > 0
+    curves = read_csv(out / "demo_digits_curves.csv")
+    assert {row["optimizer"] for row in curves} == set(demo.BUILDERS)
+    for row in curves:  # epoch 0: before training, at 0 s
+        assert (float(row["seconds_in_steps"]) > 0) == (int(row["epoch"]) > 0), row
+        assert float(row["train_loss"]) > 0
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "demo_digits.png").stat().st_size > 0
 
 
 def test_split_and_model_match_the_documented_protocol():
-    demo = load_demo()
-    data = demo.load_digits_split()
+    digits = perf_module("_digits")
+    data = digits.load_digits_split()
     assert len(data.y_train) == 1437 and len(data.y_test) == 360
-    assert sum(p.numel() for p in demo.make_mlp(0).parameters()) == 85_002
+    assert sum(p.numel() for p in digits.make_mlp(0).parameters()) == 85_002
 
 
 def test_bad_arguments_are_refused():
-    demo = load_demo()
+    demo = perf_module("demo_digits")
     with pytest.raises(SystemExit):
         demo.parse_args(["--epochs", "0"])
     with pytest.raises(SystemExit, match="matched none"):
         demo.main(["--only", "NoSuchOptimizer", "--epochs", "1"])
+
+
+def markdown_table(text: str) -> list[str]:
+    """The rows of the first markdown table in ``text`` that lists the demo's optimizers."""
+    return [line for line in text.splitlines() if re.match(r"\| (SGD|Adam|SparseAdaGrad|M-FAC|S-MFAC|LR-MFAC|K-FAC|FOSI)", line)]
+
+
+def test_readme_quotes_the_committed_demo_table():
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## The demo", 1)[1].split("\n## ", 1)[0]
+    committed = (REPO_ROOT / "perf" / "results" / "demo" / "demo_digits.md").read_text()
+    assert markdown_table(section) == markdown_table(committed)
+    assert len(markdown_table(committed)) == len(perf_module("demo_digits").BUILDERS)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_demo_writes_to_an_ignored_folder_by_default():
+    demo = perf_module("demo_digits")
+    target = demo.DEFAULT_OUT.relative_to(REPO_ROOT) / "demo_digits.png"
+    assert subprocess.run(["git", "check-ignore", "-q", str(target)], cwd=REPO_ROOT).returncode == 0
