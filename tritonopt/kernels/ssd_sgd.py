@@ -184,39 +184,47 @@ def ssd_sgd_step_reference(
     shadow_scale: float,
     pulled: bool,
 ) -> torch.Tensor:
-    """Plain-PyTorch SSD-SGD step; same contract as the kernel, same operation order.
+    """Plain-PyTorch SSD-SGD step; same contract as the kernel.
 
-    Computes in float64 when the state is float64, else in float32.
+    Computes in float64 when the state is float64, else in float32. Eq. 8 is
+    evaluated in its closed form, with ``grad_sync = c (pre - w_src)`` gathered
+    per input (design note sec. 5)::
+
+        p = (1 - L wd_loc + L beta c) w_src - L alpha g - L beta c pre
+
+    which equals the kernel's three-term form up to rounding, in fewer passes.
     """
     compute = torch.float64 if pre_weight.dtype == torch.float64 else torch.float32
     g = grad.to(compute)
-    pre = pre_weight.to(compute)
     shadow = shadow_weight is not None
-    if shadow:
-        sw = shadow_weight.to(compute)
-        smom = shadow_momentum.to(compute)
-        if pulled:
-            sw = sw * shadow_scale
-            smom = smom * shadow_scale
-            w_src = sw
-        else:
-            w_src = param.to(compute)
+    if shadow and pulled:  # the pulled global state: the mean of the ranks' shadows
+        sw = shadow_weight.to(compute) * shadow_scale
+        smom = shadow_momentum.to(compute) * shadow_scale
+        w_src = sw
     else:
         w_src = param.to(compute)
 
-    grad_sync = sync_coef * (pre - w_src)
-    update = w_src - local_lr * (glu_alpha * g + local_weight_decay * w_src + glu_beta * grad_sync)
+    keep = 1.0 - local_lr * local_weight_decay + local_lr * glu_beta * sync_coef
+    update = w_src * keep
+    update.add_(g, alpha=-local_lr * glu_alpha).add_(pre_weight, alpha=-local_lr * glu_beta * sync_coef)
     stored = update.to(param.dtype)
     bad = ~torch.isfinite(stored)
-    new_p = torch.where(bad, w_src.to(param.dtype), stored)
+    count = bad.sum()
+    any_bad = bool(count)
+    if any_bad:  # those elements keep w_src; their shadow weight is poisoned below
+        stored = torch.where(bad, w_src.to(param.dtype), stored)
     if pulled:
         pre_weight.copy_(w_src)
     if shadow:
-        if sync_momentum is not None:
-            sync_momentum.copy_(smom)
-        smom = momentum * smom - lr * (g + weight_decay * sw)
-        sw = torch.where(bad, torch.full_like(sw, float("nan")), sw + smom)
-        shadow_weight.copy_(sw)
-        shadow_momentum.copy_(smom)
-    param.copy_(new_p)
-    return bad.sum()
+        if pulled:
+            if sync_momentum is not None:
+                sync_momentum.copy_(smom)
+            shadow_weight.copy_(sw)
+            shadow_momentum.copy_(smom)
+        # The server's rule on this rank's shadow: mom = m mom - lr (g + wd w); w += mom.
+        shadow_momentum.mul_(momentum).add_(g, alpha=-lr).add_(shadow_weight, alpha=-lr * weight_decay)
+        shadow_weight.add_(shadow_momentum)
+        if any_bad:
+            shadow_weight.masked_fill_(bad, float("nan"))
+    param.copy_(stored)
+    return count
