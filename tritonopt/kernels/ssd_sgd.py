@@ -40,6 +40,7 @@ never recompiles.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
@@ -208,9 +209,14 @@ def ssd_sgd_step_reference(
     update = w_src * keep
     update.add_(g, alpha=-local_lr * glu_alpha).add_(pre_weight, alpha=-local_lr * glu_beta * sync_coef)
     stored = update.to(param.dtype)
-    bad = ~torch.isfinite(stored)
-    count = bad.sum()
-    any_bad = bool(count)
+    # One reduction decides the common case: a NaN or inf element makes the sum non-finite (a
+    # finite sum that overflows merely takes the exact path below).
+    any_bad = not math.isfinite(float(stored.sum(dtype=compute)))
+    count = torch.zeros((), dtype=torch.int64, device=param.device)
+    if any_bad:
+        bad = ~torch.isfinite(stored)
+        count = bad.sum()
+        any_bad = bool(count)
     if any_bad:  # those elements keep w_src; their shadow weight is poisoned below
         stored = torch.where(bad, w_src.to(param.dtype), stored)
     if pulled:
