@@ -47,17 +47,19 @@ Collectives (through :class:`~tritonopt.dist._comm.CountingCommunicator`;
 ``CHECK_ELEMENTS = 8`` more values that let all ranks verify, together, that
 they used the same step count and hyperparameters):
 
-==========================  =====================  ===================================
-label                       when                   size
-==========================  =====================  ===================================
-``config_check``            construction, and      ``16`` int64 values: ranks agree
-                            ``load_state_dict``    on shapes and hyperparameters
-``initial_broadcast``       construction           the parameters (their dtype), and
-                                                   the floating ``sync_buffers``
-``warmup_grad_allreduce``   each warm-up step      ``(d + 8) s``
-``shadow_sync_allreduce``   every k delay steps    ``(2d + b + 8) s``
-``per_step_grad_allreduce``  each delay step        ``(d + 8) s``
-==========================  =====================  ===================================
+============================  =====================  ===================================
+label                         when                   size
+============================  =====================  ===================================
+``config_check``              construction           two int64 values per checked
+                                                     field: ranks agree on shapes and
+                                                     hyperparameters
+``load_state_dict_check``     ``load_state_dict``    the same, plus counters and state
+``initial_broadcast``         construction           the parameters (their dtype), and
+                                                     the floating ``sync_buffers``
+``warmup_grad_allreduce``     each warm-up step      ``(d + 8) s``
+``shadow_sync_allreduce``     every k delay steps    ``(2d + b + 8) s``
+``per_step_grad_allreduce``   each delay step        ``(d + 8) s``
+============================  =====================  ===================================
 
 Memory per rank besides the parameters (which SSDSGD moves into one flat
 buffer: each parameter's ``.data`` becomes a view of it): ``pre`` (d), the
@@ -84,8 +86,12 @@ wait, after at most the process group's timeout (a dead peer usually sooner).
 
 BatchNorm and other buffers are local (like MXNet's auxiliary states);
 ``sync_buffers=model.buffers()`` averages the floating-point ones at each
-delay-stage synchronisation (with the state of the same iteration), and keeps
-integer ones (``num_batches_tracked``) local.
+delay-stage synchronisation (with the state of the same iteration; ``comm="shadow"``
+only), and keeps integer ones (``num_batches_tracked``) local.
+
+A parameter without a gradient counts as a zero gradient (the server still
+applies momentum and weight decay to it, as a parameter server updates every
+key); leave frozen parameters out of the optimizer.
 
 Checkpoints are per rank: ``state_dict`` flushes an in-flight synchronisation
 first, and holds the counters, ``pre``, the server state and the rank's local
@@ -294,6 +300,8 @@ class SSDSGD(Optimizer):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of process_group")
         self.comm = CountingCommunicator(process_group) if communicator is None else communicator
         self._agree(self._config_fields(buffers), "build SSDSGD with the same parameters and hyperparameters")
 
