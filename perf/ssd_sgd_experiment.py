@@ -20,15 +20,18 @@ script reproduces those claims on 4 gloo processes on the CPU:
   SGD (``PostLocalSGDOptimizer`` over momentum SGD with a
   ``PeriodicModelAverager`` of period 5 after the same warm-up, whose gradients
   are all-reduced), each on 3 seeds (model initialisation and batch order);
-* every collective travels over an emulated link (design note sec. 7.3): one
-  FIFO communication thread per rank runs the real gloo collective, then sleeps
-  ``latency + bytes_on_wire / bandwidth`` with ``bytes_on_wire = 2 (N - 1) / N``
-  times the payload (a ring all-reduce), 5 MB/s and 1 ms by default: SSGD's
-  all-reduce then takes about 93 ms against roughly 10-60 ms of compute per step
-  on a shared 2-core machine, the communication-bound regime the paper targets;
-  the main thread keeps computing meanwhile, which is the overlap SSD-SGD relies on.
-  torch's averager calls ``dist.all_reduce`` itself (blocking): its link time is
-  slept on the main thread after each averaging.
+* every collective travels over an emulated link (design note sec. 7.3): it
+  is issued at once as a real asynchronous gloo collective, and waiting for it
+  returns at the later of the real completion and the modeled end of the
+  transfer, which starts when it is issued (or when the previous transfer ends:
+  one link) and lasts ``latency + bytes_on_wire / bandwidth``, with
+  ``bytes_on_wire = 2 (N - 1) / N`` times the payload (a ring all-reduce);
+  5 MB/s and 1 ms by default. SSGD's all-reduce then takes about 93 ms against
+  roughly 10-60 ms of compute per step on a shared 2-core machine, the
+  communication-bound regime the paper targets. Until it waits, a rank keeps
+  computing, which is the overlap SSD-SGD relies on. torch's averager calls
+  ``dist.all_reduce`` itself (blocking); its modeled transfer is waited out
+  after each averaging.
 
 Measured per run: wall-clock of the training loop (slowest rank; summarised by
 the median over the seeds, as every timing of this project, since other jobs
@@ -61,15 +64,13 @@ import csv
 import datetime
 import math
 import os
-import queue
 import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -199,73 +200,63 @@ class LinkTime:
         return self.latency + 2 * (self.world - 1) / self.world * nbytes / self.bandwidth
 
 
-class _Handle:
-    def __init__(self):
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
+class _LinkHandle:
+    """A real gloo work handle whose ``wait`` also lasts until the modeled end of the transfer."""
+
+    def __init__(self, work, done_at: float):
+        self.work, self.done_at = work, done_at
 
     def wait(self):
-        self.done.wait()
-        if self.error is not None:
-            raise RuntimeError(f"emulated-link collective failed: {self.error}") from self.error
+        self.work.wait()
+        remaining = self.done_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
         return True
 
 
 class EmulatedLinkCommunicator(CountingCommunicator):
-    """Every collective runs on one FIFO thread: the real gloo call, then the link's transfer time.
+    """Collectives over a modeled link: each one ends at the later of the real gloo call's end and its modeled end.
 
-    All ranks issue the same collectives in the same order, so one thread per
-    rank keeps them matched; the caller's thread never issues a collective on
-    this group while the thread may be busy.
+    A collective issued at time ``t`` starts its transfer at ``max(t, end of the
+    previous transfer)`` (one link, transfers in order) and ends ``link(bytes)``
+    seconds later. The real collective is issued at once, asynchronously (gloo's
+    own threads), so the caller keeps computing until it waits, as with a real
+    network; waiting returns when both the real collective and the modeled
+    transfer are done.
     """
 
     def __init__(self, link: LinkTime, group=None):
         super().__init__(group)
         self.link = link
         self.link_seconds = 0.0
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        self._free_at = 0.0
 
-    def _serve(self):
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, seconds, handle = job
-            try:
-                fn()
-                time.sleep(seconds)
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-                handle.error = error
-            handle.done.set()
-
-    def close(self):
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _submit(self, fn, nbytes, async_op):
-        handle = _Handle()
+    def schedule(self, nbytes: int) -> float:
+        """The modeled end of a transfer of ``nbytes`` issued now."""
         seconds = self.link(nbytes)
         self.link_seconds += seconds
-        self._jobs.put((fn, seconds, handle))
+        self._free_at = max(time.perf_counter(), self._free_at) + seconds
+        return self._free_at
+
+    def _issue(self, work, nbytes: int, async_op: bool):
+        handle = _LinkHandle(work, self.schedule(nbytes))
         if async_op:
             return handle
         handle.wait()
         return None
 
     def all_reduce(self, tensor, *, label, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        self._record(label, tensor.numel() * tensor.element_size(), tensor.numel() * tensor.element_size())
-        group = self._group(group)
-        return self._submit(lambda: dist.all_reduce(tensor, op=op, group=group),
-                            tensor.numel() * tensor.element_size(), async_op)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._record(label, nbytes, nbytes)
+        work = dist.all_reduce(tensor, op=op, group=self._group(group), async_op=True)
+        return self._issue(work, nbytes, async_op)
 
     def broadcast(self, tensor, src, *, label, group=None, async_op=False):
         nbytes = tensor.numel() * tensor.element_size()
         is_source = dist.get_rank() == src
         self._record(label, nbytes if is_source else 0, 0 if is_source else nbytes)
-        group = self._group(group)
-        return self._submit(lambda: dist.broadcast(tensor, src=src, group=group), nbytes, async_op)
+        work = dist.broadcast(tensor, src=src, group=self._group(group), async_op=True)
+        return self._issue(work, nbytes, async_op)
 
 
 # --------------------------------------------------------------------------- one run on one rank
@@ -297,11 +288,9 @@ def train_ssd(rank, setup, run, seed, data, link) -> dict:
     with torch.no_grad():
         for p, g in zip(model.parameters(), opt.global_parameters()):
             p.copy_(g)
-    result = dict(seconds=seconds, bytes_sent=comm.total_bytes("sent"), link_seconds=comm.link_seconds,
-                  collectives=sum(s.calls for s in comm.stats().values()),
-                  global_acc=accuracy(model, x_test, y_test), local_acc=local_acc, losses=losses)
-    comm.close()
-    return result
+    return dict(seconds=seconds, bytes_sent=comm.total_bytes("sent"), link_seconds=comm.link_seconds,
+                collectives=sum(s.calls for s in comm.stats().values()),
+                global_acc=accuracy(model, x_test, y_test), local_acc=local_acc, losses=losses)
 
 
 def train_post_local(rank, setup, run, seed, data, link) -> dict:
@@ -322,7 +311,7 @@ def train_post_local(rank, setup, run, seed, data, link) -> dict:
     opt = PostLocalSGDOptimizer(optim=local, averager=averager)
     batches = ShardBatches(x_train, y_train, rank, WORLD, setup.batch, seed)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    averaged_bytes, extra_link = 0, 0.0
+    averaged_bytes = 0
     losses = []
     dist.barrier()
     start = time.perf_counter()
@@ -338,11 +327,11 @@ def train_post_local(rank, setup, run, seed, data, link) -> dict:
             torch.nn.utils.vector_to_parameters(grads, [p.grad for p in params])
         step = averager.step
         averages = step >= averager.warmup_steps and (step - averager.warmup_steps) % averager.period == 0
+        done_at = comm.schedule(param_bytes) if averages else 0.0  # torch's averaging: issued in step()
         opt.step()
-        if averages:  # torch's blocking all_reduce of the parameters: charge its link time here
+        if averages:  # its blocking all_reduce is done; wait out the modeled transfer too
             averaged_bytes += param_bytes
-            extra_link += link(param_bytes)
-            time.sleep(link(param_bytes))
+            time.sleep(max(0.0, done_at - time.perf_counter()))
         losses.append(loss.item())
     seconds = time.perf_counter() - start
     local_acc = accuracy(model, x_test, y_test)
@@ -350,12 +339,10 @@ def train_post_local(rank, setup, run, seed, data, link) -> dict:
         flat = torch.cat([p.reshape(-1) for p in params])
         dist.all_reduce(flat)
         torch.nn.utils.vector_to_parameters(flat / WORLD, params)
-    result = dict(seconds=seconds, bytes_sent=comm.total_bytes("sent") + averaged_bytes,
-                  link_seconds=comm.link_seconds + extra_link,
-                  collectives=sum(s.calls for s in comm.stats().values()) + averaged_bytes // param_bytes,
-                  global_acc=accuracy(model, x_test, y_test), local_acc=local_acc, losses=losses)
-    comm.close()
-    return result
+    return dict(seconds=seconds, bytes_sent=comm.total_bytes("sent") + averaged_bytes,
+                link_seconds=comm.link_seconds,
+                collectives=sum(s.calls for s in comm.stats().values()) + averaged_bytes // param_bytes,
+                global_acc=accuracy(model, x_test, y_test), local_acc=local_acc, losses=losses)
 
 
 def rank_main(rank: int, port: int, setup: Setup, result_dir: str) -> None:
