@@ -36,6 +36,12 @@ FOSI / DHO2
 ``gram_schmidt_subtract``        its second half, ``h - basis[:r]^T coef`` and the norm
 ``fosi_step``                    one FOSI update of a flat parameter buffer
 ===============================  ===============================================
+
+SSD-SGD
+
+===============================  ===============================================
+``ssd_sgd_step``                 GLU local update fused with the shadow server's momentum step
+===============================  ===============================================
 """
 
 from tritonopt._ops.ef_topk import densify_blocks, ef_topk
@@ -55,6 +61,7 @@ from tritonopt._ops.lanczos import (
 )
 from tritonopt._ops.lowrank import lowrank_ef, lowrank_frobenius_products
 from tritonopt._ops.sparse_ring import densify_ring, sparse_lcg, sparse_ring_insert, sparse_sp
+from tritonopt._ops.ssd_sgd import ssd_sgd_step
 
 __all__ = [
     "densify_blocks",
@@ -73,6 +80,7 @@ __all__ = [
     "sparse_lcg",
     "sparse_ring_insert",
     "sparse_sp",
+    "ssd_sgd_step",
     "triu_pack",
     "triu_unpack",
 ]

@@ -6,6 +6,7 @@
 ``reconstruct_columns``     row shards to column shards with one ``all_to_all``
 ``DHO2`` / ``MRDHO2``       distributed FOSI, and its accelerator/worker form
 ``CollectiveFailure``       what a layer raises when a rank died or stalled past its timeout
+``SSDSGD``                  SSD-SGD: several-steps-delay SGD with GLU local updates
 ==========================  =====================================================
 
 Every layer uses ``torch.distributed`` collectives only (NCCL on GPU, gloo on
@@ -17,6 +18,7 @@ from tritonopt.dist._collective_guard import CollectiveFailure
 from tritonopt.dist.dho2 import DHO2, MRDHO2
 from tritonopt.dist.kaisa import KAISAAssignment, KAISACollectiveError, KAISAPreconditioner, Strategy
 from tritonopt.dist.lanczos import distributed_lanczos, reconstruct_columns
+from tritonopt.dist.ssd_sgd import SSDSGD
 
 __all__ = [
     "CollectiveFailure",
@@ -25,6 +27,7 @@ __all__ = [
     "KAISACollectiveError",
     "KAISAPreconditioner",
     "MRDHO2",
+    "SSDSGD",
     "Strategy",
     "distributed_lanczos",
     "reconstruct_columns",

@@ -1,0 +1,859 @@
+"""SSD-SGD: several-steps-delay SGD with global-gradient local updates (Xu et al., SSD-SGD).
+
+The paper runs on a parameter server: every worker pushes its gradient every
+iteration (the server applies synchronous momentum SGD to the mean of the K
+workers' gradients) but pulls the global weights only every ``k`` iterations;
+in between each worker trains on its own local weights with GLU (Eq. 8), which
+mixes its gradient with ``grad_sync``, the global gradient estimated from two
+pulled weights (sec. 3.2.1). The first ``wp + 1`` iterations are plain
+synchronous SGD (the warm-up stage, sec. 3.1). This module maps that onto
+``torch.distributed`` collectives with no server process.
+
+Per rank, iteration ``t`` (``g`` the rank's own gradient, at the weights it
+last trained on; MXNet's server rule ``mom = m mom - lr (g + wd w); w += mom``):
+
+* warm-up, ``t < warmup_steps`` (the paper's ``wp + 1``): ``g`` is all-reduced
+  and averaged, and every rank applies the server rule to the parameters,
+  which therefore are the global weights on every rank;
+* delay stage, ``j = t - warmup_steps``: GLU (Algorithm 2, descent sign)::
+
+      w_src     = the pulled global weight if a pull arrived since the last step, else p
+      grad_sync = (1 - m) / (lr k) * (pre - w_src)
+      pre       = w_src                                        (only after a pull)
+      p         = w_src - local_lr * (glu_alpha g + local_weight_decay w_src + glu_beta grad_sync)
+
+  and a pull is issued at the end of every iteration with ``j % k == k - 1``,
+  to be consumed by the next iteration's GLU (Algorithm 1 lines 20-22).
+
+``comm="shadow"`` (default; sec. 2.2 of the design note). The server rule is
+affine in ``(w, mom, g)`` for fixed scalars, so each rank runs a *shadow
+server* ``(sw, smom)`` on its own gradient from the last synchronised state;
+the mean of the K shadows after ``k`` steps is exactly the server's state.
+The pull becomes one asynchronous all-reduce of ``[sw; smom]`` (2d values)
+launched at the end of iteration ``j`` and waited on at the start of
+iteration ``j + 1``, so it overlaps that iteration's forward and backward.
+The GLU and the shadow step run fused in one pass over flat buffers
+(:func:`tritonopt.ops.ssd_sgd_step`). Exact for this linear server with
+identical scalars on every rank (checked, below).
+
+``comm="per_step"`` (reference). Each iteration's gradient is all-reduced
+asynchronously (d values, DDP's volume) into a replica of the server state on
+every rank; the replica is advanced through iteration ``j`` before the GLU of
+``j + 1``. No rank waits for another except at those points.
+
+Collectives (through :class:`~tritonopt.dist._comm.CountingCommunicator`;
+``s`` bytes per element of the state dtype: 4, or 8 for float64 parameters;
+``b`` the elements of ``sync_buffers``; every all-reduce carries
+``CHECK_ELEMENTS = 8`` more values that let all ranks verify, together, that
+they used the same step count and hyperparameters):
+
+============================  =====================  ===================================
+label                         when                   size
+============================  =====================  ===================================
+``config_check``              construction           two int64 values per checked
+                                                     field: ranks agree on shapes and
+                                                     hyperparameters
+``load_state_dict_check``     ``load_state_dict``    the same, plus counters and state
+``initial_broadcast``         construction           the parameters (their dtype), and
+                                                     the floating ``sync_buffers``
+``warmup_grad_allreduce``     each warm-up step      ``(d + 8) s``
+``shadow_sync_allreduce``     every k delay steps    ``(2d + b + 8) s``
+``per_step_grad_allreduce``   each delay step        ``(d + 8) s``
+============================  =====================  ===================================
+
+Memory per rank besides the parameters (which SSDSGD moves into one flat
+buffer: each parameter's ``.data`` becomes a view of it): ``pre`` (d), the
+shadow or replica server state (2d), the momentum of the last synchronised
+state (d, for discarding a window, below), and a gradient buffer (d), all in
+float32 (float64 for float64 parameters); ``per_step`` also keeps up to
+``k + 1`` gradient buffers in flight.
+
+Non-finite values (``on_nonfinite="skip"`` or ``"raise"``; every rank decides
+together). Warm-up: the averaged gradient and the update are checked on every
+rank (they are identical there); a bad step changes nothing. Delay stage: an
+element whose local update is not finite keeps its value and poisons the
+rank's shadow (NaN), so every rank sees it in the next synchronised state; the
+whole window since the last pull is then discarded on every rank: the server
+state goes back to the last synchronised one, and the parameters to its
+weights. ``"skip"`` warns and adds the window's steps to ``skipped_steps``;
+``"raise"`` raises ``FloatingPointError`` at that point. A rank whose step
+count or hyperparameters (learning-rate schedule included) differ from the
+others' makes every rank raise ``ValueError`` at the next synchronisation
+(the window is discarded first).
+
+A rank that stops early: the others raise ``RuntimeError`` from their next
+wait, after at most the process group's timeout (a dead peer usually sooner).
+
+BatchNorm and other buffers are local (like MXNet's auxiliary states);
+``sync_buffers=model.buffers()`` averages the floating-point ones at each
+delay-stage synchronisation (with the state of the same iteration; ``comm="shadow"``
+only), and keeps integer ones (``num_batches_tracked``) local.
+
+A parameter without a gradient counts as a zero gradient (the server still
+applies momentum and weight decay to it, as a parameter server updates every
+key); leave frozen parameters out of the optimizer.
+
+Checkpoints are per rank: ``state_dict`` flushes an in-flight synchronisation
+first, and holds the counters, ``pre``, the server state and the rank's local
+weights; ``load_state_dict`` restores all of them (the parameters included),
+on the same rank of the same world size, and checks with one collective that
+the ranks' global state agrees.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import math
+import struct
+import warnings
+import zlib
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from tritonopt import ops
+from tritonopt._runtime import nvtx_range
+from tritonopt.dist._comm import CountingCommunicator
+from tritonopt.optim._blocks import BlockLayout
+
+__all__ = ["SSDSGD", "COMM_MODES", "CHECK_ELEMENTS"]
+
+COMM_MODES = ("shadow", "per_step")
+NONFINITE_POLICIES = ("skip", "raise")
+CHECK_ELEMENTS = 8
+_GROUP_KEYS = ("lr", "momentum", "weight_decay", "local_lr_mult", "local_weight_decay",
+               "glu_alpha", "glu_beta")
+_STATE_NAMES = ("pre_weight", "shadow_weight", "shadow_momentum", "sync_momentum")
+_ALGO = "tritonopt/ssd_sgd"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_real(name: str, value, *, low: Optional[float] = None, high: Optional[float] = None,
+                high_open: bool = False) -> None:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a float (a tensor {name} is not supported)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value!r}")
+
+
+def _check_int(name: str, value, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_group_hyperparameters(group: dict) -> None:
+    _check_real("lr", group["lr"], low=0.0)
+    _check_real("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
+    _check_real("weight_decay", group["weight_decay"], low=0.0)
+    _check_real("local_lr_mult", group["local_lr_mult"], low=0.0)
+    if group["local_weight_decay"] is not None:
+        _check_real("local_weight_decay", group["local_weight_decay"], low=0.0)
+    _check_real("glu_alpha", group["glu_alpha"])
+    _check_real("glu_beta", group["glu_beta"])
+
+
+def _digest(value) -> int:
+    """A 62-bit hash of ``repr(value)``: equal on every rank exactly when the values are."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    data = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+# --------------------------------------------------------------------------- flat packing
+
+
+class _FlatParameters:
+    """Every parameter of every group, end to end in one flat buffer, in group order.
+
+    Each parameter's ``.data`` is made a view of its slice, so the fused step
+    updates all of them in one pass. This class is the only place that knows
+    where a parameter lives.
+    """
+
+    def __init__(self, groups: Sequence[dict]):
+        self.params = [p for group in groups for p in group["params"]]
+        self.layout = BlockLayout(self.params, 1 << 62)  # one row: the whole vector
+        self.numel = self.layout.total
+        self.group_spans = []
+        start = 0
+        for group in groups:
+            count = sum(p.numel() for p in group["params"])
+            self.group_spans.append((start, count))
+            start += count
+        self.buffer = self.layout.zeros(self.params[0].dtype).view(-1)
+        self.layout.pack([p.detach() for p in self.params], self.buffer)
+        for p, view in zip(self.params, self.layout.views(self.buffer)):
+            p.data = view
+        self._addresses = [p.data_ptr() for p in self.params]
+
+    def check_bound(self) -> None:
+        for p, address in zip(self.params, self._addresses):
+            if p.data_ptr() != address or p.device != self.buffer.device:
+                raise RuntimeError(
+                    "SSDSGD: a parameter no longer lives in the optimizer's flat buffer (its .data "
+                    "was replaced, e.g. by model.to() after the optimizer was built); build SSDSGD "
+                    "after moving the model"
+                )
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat[:numel]`` shaped like each parameter."""
+        return self.layout.views(flat[: self.numel])
+
+    def group_slice(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        start, count = self.group_spans[index]
+        return flat[start : start + count]
+
+    def pack_grads(self, out: torch.Tensor) -> None:
+        """Gradients into ``out[:numel]``; a parameter without one counts as zeros."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.layout.pack(grads, out[: self.numel])
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+class SSDSGD(Optimizer):
+    """SSD-SGD on ``torch.distributed``; run one instance on every rank (see the module docstring).
+
+    Args:
+        params: parameters or parameter groups; all floating point, one dtype and one device.
+            Groups may set ``lr``, ``momentum``, ``weight_decay``, ``local_lr_mult``,
+            ``local_weight_decay``, ``glu_alpha`` and ``glu_beta``.
+        lr: the server's learning rate (the global model's).
+        momentum: the server's momentum ``m``, in ``[0, 1)``.
+        weight_decay: the server's L2 weight decay.
+        delay_steps: ``k``, the pull period (>= 1; ``k = 1`` is one-step delay, not SSGD).
+        warmup_steps: iterations of synchronous SGD before the delay stage (the paper's
+            ``wp + 1``; 500 in its experiments).
+        glu_alpha, glu_beta: Eq. 8's weights of the local gradient and of ``grad_sync``.
+        local_lr_mult: the local learning rate is ``local_lr_mult * lr`` (4 in the paper).
+        local_weight_decay: Eq. 8's ``wd``; None: ``weight_decay``.
+        comm: ``"shadow"`` (one all-reduce of 2d values every k steps) or ``"per_step"``.
+        process_group: the group of the ranks (None: the world); its timeout bounds every wait.
+        on_nonfinite: ``"skip"`` or ``"raise"`` (see the module docstring).
+        sync_buffers: tensors (e.g. ``model.buffers()``) whose floating-point ones are
+            averaged at each delay-stage synchronisation; broadcast from rank 0 at construction.
+        communicator: a :class:`CountingCommunicator` to issue the collectives through
+            (None: one is made for ``process_group``).
+
+    Pass each rank its own local gradients (no DDP). Construction issues two
+    collectives: the agreement check and the broadcast of rank 0's parameters.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 1e-4,
+        delay_steps: int = 5,
+        warmup_steps: int = 500,
+        glu_alpha: float = 2.0,
+        glu_beta: float = 0.5,
+        local_lr_mult: float = 4.0,
+        local_weight_decay: Optional[float] = None,
+        comm: str = "shadow",
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        on_nonfinite: str = "skip",
+        sync_buffers: Iterable[torch.Tensor] = (),
+        communicator: Optional[CountingCommunicator] = None,
+    ):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                        local_lr_mult=local_lr_mult, local_weight_decay=local_weight_decay,
+                        glu_alpha=glu_alpha, glu_beta=glu_beta)
+        _check_group_hyperparameters(defaults)
+        _check_int("delay_steps", delay_steps, low=1)
+        _check_int("warmup_steps", warmup_steps, low=0)
+        if comm not in COMM_MODES:
+            raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+        if communicator is not None and not isinstance(communicator, CountingCommunicator):
+            raise TypeError("communicator must be a tritonopt.dist._comm.CountingCommunicator")
+        self.delay_steps = delay_steps
+        self.warmup_steps = warmup_steps
+        self.comm_mode = comm
+        self.on_nonfinite = on_nonfinite
+        self._building = True
+        super().__init__(params, defaults)
+        self._building = False
+        self._check_parameters()
+        buffers = self._check_sync_buffers(sync_buffers)
+        if buffers and comm != "shadow":
+            raise ValueError("sync_buffers are averaged with the shadow synchronisation: use comm='shadow'")
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("SSDSGD needs an initialised torch.distributed process group")
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of process_group")
+        self.comm = CountingCommunicator(process_group) if communicator is None else communicator
+        self._agree(self._config_fields(buffers), "build SSDSGD with the same parameters and hyperparameters")
+
+        with torch.no_grad():
+            self._flat = _FlatParameters(self.param_groups)
+            self._sync_buffers = buffers
+            source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+            self.comm.broadcast(self._flat.buffer, source, label="initial_broadcast", group=process_group)
+            if buffers:
+                packed = torch.cat([b.reshape(-1).to(self._flat.buffer.dtype) for b in buffers])
+                self.comm.broadcast(packed, source, label="initial_broadcast", group=process_group)
+                self._unpack_buffers(packed, scale=1.0)
+        self._allocate_state()
+
+        self.skipped_steps = 0
+        self._steps = 0  # iterations applied (discarded windows are not counted)
+        self._delay_ready = False  # pre / server state initialised for the delay stage
+        self._window_start = warmup_steps  # step count at the last consumed synchronisation
+        self._window_crc = 0
+        self._sync_state = "none"  # shadow: "none" | "in_flight" | "ready"
+        self._work = None
+        self._sync_scale = 1.0
+        self._verdict: Optional[str] = None  # "nonfinite" | "mismatch" once a window is known bad
+        self._resolved = False  # the ready state's verdict has been acted on
+        self._pending: collections.deque = collections.deque()  # per_step: (buffer, work, scalars)
+        self._pull_due = False  # per_step: the next delay step consumes a pull
+
+    # ------------------------------------------------------------------ set-up
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not getattr(self, "_building", False):
+            raise RuntimeError("SSDSGD packs its parameters at construction: pass every group to it")
+        for key in param_group:
+            if key not in _GROUP_KEYS and key != "params":
+                raise ValueError(
+                    f"{key!r} is not a per-group setting of SSDSGD (those are {', '.join(_GROUP_KEYS)})"
+                )
+        super().add_param_group(param_group)
+        try:
+            _check_group_hyperparameters(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _check_parameters(self) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        if not params:
+            raise ValueError("SSDSGD got no parameters")
+        first = params[0]
+        for p in params:
+            if not p.is_floating_point() or p.is_complex():
+                raise ValueError(f"SSDSGD needs real floating-point parameters, got {p.dtype}")
+            if p.dtype != first.dtype:
+                raise ValueError(f"all parameters must share one dtype, found {first.dtype} and {p.dtype}")
+            if p.device != first.device:
+                raise ValueError(f"all parameters must be on one device, found {first.device} and {p.device}")
+            if p.is_sparse:
+                raise ValueError("SSDSGD does not support sparse parameters")
+        if sum(p.numel() for p in params) == 0:
+            raise ValueError("SSDSGD's parameters hold no elements")
+
+    def _check_sync_buffers(self, sync_buffers) -> list[torch.Tensor]:
+        if isinstance(sync_buffers, torch.Tensor):
+            raise TypeError("sync_buffers must be an iterable of tensors, e.g. model.buffers()")
+        device = self.param_groups[0]["params"][0].device
+        chosen = []
+        for b in sync_buffers:
+            if not isinstance(b, torch.Tensor):
+                raise TypeError(f"sync_buffers must hold tensors, got {type(b).__name__}")
+            if b.device != device:
+                raise ValueError(f"a sync buffer is on {b.device} but the parameters are on {device}")
+            if b.is_floating_point() and b.numel():  # integer counters stay local
+                chosen.append(b)
+        return chosen
+
+    def _config_fields(self, buffers) -> list[tuple[str, object]]:
+        groups = self.param_groups
+        return [
+            ("the number of parameter groups", len(groups)),
+            ("the parameter shapes", [[tuple(p.shape) for p in g["params"]] for g in groups]),
+            ("the parameter dtype", str(groups[0]["params"][0].dtype)),
+            *[(key, [g[key] for g in groups]) for key in _GROUP_KEYS],
+            ("delay_steps", self.delay_steps),
+            ("warmup_steps", self.warmup_steps),
+            ("comm", self.comm_mode),
+            ("on_nonfinite", self.on_nonfinite),
+            ("the sync_buffers' shapes", [(tuple(b.shape), str(b.dtype)) for b in buffers]),
+        ]
+
+    def _agree(self, fields: list[tuple[str, object]], advice: str, label: str = "config_check") -> None:
+        """One all-reduce (max of each hash and of its negation): raise on every rank if any field differs."""
+        hashes = torch.tensor([_digest(value) for _, value in fields], dtype=torch.int64)
+        both = torch.cat([hashes, -hashes]).to(self.param_groups[0]["params"][0].device)
+        self._wait(self.comm.all_reduce(both, label=label, op=dist.ReduceOp.MAX, async_op=True),
+                   "the agreement check")
+        both = both.cpu()
+        n = len(fields)
+        differing = [i for i in range(n) if int(both[i]) != -int(both[n + i])]
+        if differing:
+            names = ", ".join(fields[i][0] for i in differing)
+            mine = "; ".join(f"{fields[i][0]} = {fields[i][1]!r}" for i in differing)
+            raise ValueError(f"SSDSGD: ranks disagree on {names} (rank {self.rank} has {mine}); {advice}")
+
+    def _allocate_state(self) -> None:
+        d = self._flat.numel
+        dtype = torch.float64 if self._flat.buffer.dtype == torch.float64 else torch.float32
+        device = self._flat.buffer.device
+        self._state_dtype = dtype
+        b = sum(t.numel() for t in self._sync_buffers)
+        self._grad = torch.zeros(d + CHECK_ELEMENTS, dtype=dtype, device=device)
+        self._pre = torch.zeros(d, dtype=dtype, device=device)
+        self._sync_momentum = torch.zeros(d, dtype=dtype, device=device)
+        # [shadow (or replica) weight | its momentum | sync buffers | agreement check]
+        self._sync = torch.zeros(2 * d + b + CHECK_ELEMENTS, dtype=dtype, device=device)
+        self._server_weight = self._sync[:d]
+        self._server_momentum = self._sync[d : 2 * d]
+        self._trailer_buffers = self._sync[2 * d : 2 * d + b]
+        self._trailer_check = self._sync[2 * d + b :]
+        views = {
+            "pre_weight": self._flat.views(self._pre),
+            "shadow_weight": self._flat.views(self._server_weight),
+            "shadow_momentum": self._flat.views(self._server_momentum),
+            "sync_momentum": self._flat.views(self._sync_momentum),
+        }
+        for i, p in enumerate(self._flat.params):
+            self.state[p] = {name: views[name][i] for name in _STATE_NAMES}
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def steps(self) -> int:
+        """Iterations applied so far (warm-up included; discarded windows not counted)."""
+        return self._steps
+
+    @property
+    def in_warmup(self) -> bool:
+        return self._steps < self.warmup_steps
+
+    def finalize(self) -> None:
+        """Wait for an in-flight synchronisation (and act on its verdict); call before evaluating."""
+        if self.comm_mode == "shadow":
+            if self._sync_state == "in_flight":
+                self._complete_sync()
+            if self._sync_state == "ready":
+                self._resolve()
+        else:
+            self._drain()
+            if self._verdict is not None:
+                self._resolve()
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """Copies of the global (server) weights as of the last completed synchronisation.
+
+        Shaped like the parameters. During the warm-up these are the parameters
+        themselves. After :meth:`finalize` at a step count with
+        ``(steps - warmup_steps) % delay_steps == 0`` they equal the server's
+        weights after that many iterations.
+        """
+        with torch.no_grad():
+            if not self._delay_ready:
+                flat = self._flat.buffer
+            elif self._verdict is not None:
+                flat = self._pre
+            elif self.comm_mode == "per_step":
+                flat = self._server_weight
+            elif self._sync_state == "ready":
+                flat = self._server_weight * self._sync_scale
+            else:
+                flat = self._pre
+            return [v.to(self._flat.buffer.dtype, copy=True) for v in self._flat.views(flat)]
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One SSD-SGD iteration on this rank's own gradients (see the module docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._flat.check_bound()
+        self._check_grads()
+        scalars = self._group_scalars()
+        with nvtx_range(f"{_ALGO}/pack"):
+            self._flat.pack_grads(self._grad)
+        if self._steps < self.warmup_steps:
+            with nvtx_range(f"{_ALGO}/warmup"):
+                self._warmup_step(scalars)
+        else:
+            if not self._delay_ready:
+                self._enter_delay_stage()
+            if self.comm_mode == "shadow":
+                self._shadow_step(scalars)
+            else:
+                self._per_step_step(scalars)
+        return loss
+
+    def _check_grads(self) -> None:
+        for p in self._flat.params:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError("SSDSGD does not support sparse gradients")
+            if g.shape != p.shape:
+                raise RuntimeError(
+                    f"a gradient has shape {tuple(g.shape)} but its parameter has shape {tuple(p.shape)}"
+                )
+            if not g.is_floating_point() or g.is_complex():
+                raise RuntimeError(f"SSDSGD needs real floating-point gradients, got {g.dtype}")
+
+    def _group_scalars(self) -> list[dict]:
+        """The scalars of this iteration per group (validated: a scheduler may have changed them)."""
+        out = []
+        for group in self.param_groups:
+            _check_group_hyperparameters(group)
+            lr, m = float(group["lr"]), float(group["momentum"])
+            wd_local = group["local_weight_decay"]
+            out.append(dict(
+                lr=lr, momentum=m, weight_decay=float(group["weight_decay"]),
+                local_lr=float(group["local_lr_mult"]) * lr,
+                local_weight_decay=float(group["weight_decay"] if wd_local is None else wd_local),
+                glu_alpha=float(group["glu_alpha"]), glu_beta=float(group["glu_beta"]),
+                # grad_sync's (1 - m) / (lr k); a zero learning rate moves nothing to estimate.
+                sync_coef=(1.0 - m) / (lr * self.delay_steps) if lr > 0 else 0.0,
+            ))
+        return out
+
+    def _step_crc(self, scalars: list[dict], crc: int = 0) -> int:
+        data = struct.pack("<q", self._steps)
+        for s in scalars:
+            data += struct.pack("<7d", s["lr"], s["momentum"], s["weight_decay"], s["local_lr"],
+                                s["local_weight_decay"], s["glu_alpha"], s["glu_beta"])
+        return zlib.crc32(data, crc)
+
+    # ------------------------------------------------------------------ warm-up (SSGD)
+
+    def _warmup_step(self, scalars: list[dict]) -> None:
+        d = self._flat.numel
+        self._write_check(self._grad[d:], self._step_crc(scalars))
+        work = self.comm.all_reduce(self._grad, label="warmup_grad_allreduce", async_op=True)
+        self._wait(work, "the warm-up gradient all-reduce")
+        if not self._check_agrees(self._grad[d:]):
+            raise ValueError(self._mismatch_message(self._steps, self._steps + 1, discarded=False))
+        mean = self._grad[:d].div_(self.world_size)
+        updates = []
+        for index, s in enumerate(scalars):
+            w = self._flat.group_slice(self._flat.buffer, index)
+            mom = self._flat.group_slice(self._server_momentum, index)
+            g = self._flat.group_slice(mean, index)
+            w_wide = w.to(mom.dtype)
+            new_mom = mom * s["momentum"] - s["lr"] * (g + s["weight_decay"] * w_wide)
+            updates.append((w, mom, (w_wide + new_mom).to(w.dtype), new_mom))
+        finite = torch.stack([torch.isfinite(t).all() for u in updates for t in u[2:]]).all()
+        if not bool(finite):
+            self._nonfinite(f"the averaged gradient or the update at step {self._steps} is not finite; "
+                            "nothing was modified", skipped=1)
+            return
+        for w, mom, new_w, new_mom in updates:
+            w.copy_(new_w)
+            mom.copy_(new_mom)
+        self._steps += 1
+
+    def _enter_delay_stage(self) -> None:
+        """pre = shadow weight = the global weight; momentum as the warm-up left it."""
+        self._pre.copy_(self._flat.buffer)
+        self._server_weight.copy_(self._flat.buffer)
+        self._sync_momentum.copy_(self._server_momentum)
+        self._window_start = self._steps
+        self._delay_ready = True
+
+    # ------------------------------------------------------------------ delay stage, shadow server
+
+    def _shadow_step(self, scalars: list[dict]) -> None:
+        if self._sync_state == "in_flight":
+            self._complete_sync()
+        pulled = self._sync_state == "ready"
+        if pulled:
+            self._resolve()
+            self._window_start = self._steps
+        scale = self._sync_scale if pulled else 1.0
+        with nvtx_range(f"{_ALGO}/local_update"):
+            for index, s in enumerate(scalars):
+                ops.ssd_sgd_step(
+                    self._flat.group_slice(self._flat.buffer, index),
+                    self._flat.group_slice(self._grad, index),
+                    self._flat.group_slice(self._pre, index),
+                    shadow_weight=self._flat.group_slice(self._server_weight, index),
+                    shadow_momentum=self._flat.group_slice(self._server_momentum, index),
+                    sync_momentum=self._flat.group_slice(self._sync_momentum, index) if pulled else None,
+                    pulled=pulled, shadow_scale=scale, **s,
+                )
+        self._sync_state = "none"
+        self._window_crc = self._step_crc(scalars, self._window_crc)
+        self._steps += 1
+        if (self._steps - self.warmup_steps) % self.delay_steps == 0:
+            self._launch_sync()
+
+    def _launch_sync(self) -> None:
+        with nvtx_range(f"{_ALGO}/sync_launch"):
+            if self._sync_buffers:
+                self._trailer_buffers.copy_(torch.cat([b.reshape(-1).to(self._state_dtype)
+                                                       for b in self._sync_buffers]))
+            self._write_check(self._trailer_check, self._window_crc)
+            self._work = self.comm.all_reduce(self._sync, label="shadow_sync_allreduce", async_op=True)
+        self._window_crc = 0
+        self._sync_state = "in_flight"
+
+    def _complete_sync(self) -> None:
+        with nvtx_range(f"{_ALGO}/sync_wait"):
+            work, self._work = self._work, None
+            self._wait(work, f"the synchronisation launched at step {self._steps}")
+        d = self._flat.numel
+        if not self._check_agrees(self._trailer_check):
+            self._verdict = "mismatch"
+        elif not bool(torch.isfinite(self._sync[: 2 * d]).all()):
+            self._verdict = "nonfinite"
+        self._sync_scale = 1.0 / self.world_size
+        self._sync_state = "ready"
+        self._resolved = False
+
+    # ------------------------------------------------------------------ delay stage, per-step replica
+
+    def _per_step_step(self, scalars: list[dict]) -> None:
+        d = self._flat.numel
+        pulled = self._pull_due
+        if pulled:
+            self._drain()
+            if self._verdict is not None:
+                self._resolve()
+            self._flat.buffer.copy_(self._server_weight)
+            self._sync_momentum.copy_(self._server_momentum)
+            self._window_start = self._steps
+            self._pull_due = False
+        bad = []
+        with nvtx_range(f"{_ALGO}/local_update"):
+            for index, s in enumerate(scalars):
+                bad.append(ops.ssd_sgd_step(
+                    self._flat.group_slice(self._flat.buffer, index),
+                    self._flat.group_slice(self._grad, index),
+                    self._flat.group_slice(self._pre, index),
+                    pulled=pulled, **s,
+                ))
+        send = self._grad.clone()
+        if int(torch.stack(bad).sum()):  # a local overflow: make every rank see it in the mean
+            send[0] = float("nan")
+        self._write_check(send[d:], self._step_crc(scalars))
+        work = self.comm.all_reduce(send, label="per_step_grad_allreduce", async_op=True)
+        self._pending.append((send, work, scalars, self._steps))
+        self._steps += 1
+        if (self._steps - self.warmup_steps) % self.delay_steps == 0:
+            self._pull_due = True
+
+    def _drain(self) -> None:
+        """Wait for every pending gradient all-reduce and apply them, in order, to the replica."""
+        d = self._flat.numel
+        applied = False
+        with nvtx_range(f"{_ALGO}/server_replica"):
+            while self._pending:
+                send, work, scalars, step = self._pending.popleft()
+                self._wait(work, f"the gradient all-reduce of step {step}")
+                if self._verdict is not None:
+                    continue
+                if not self._check_agrees(send[d:]):
+                    self._verdict = "mismatch"
+                    continue
+                mean = send[:d].div_(self.world_size)
+                for index, s in enumerate(scalars):
+                    w = self._flat.group_slice(self._server_weight, index)
+                    mom = self._flat.group_slice(self._server_momentum, index)
+                    g = self._flat.group_slice(mean, index)
+                    mom.mul_(s["momentum"]).add_(g + s["weight_decay"] * w, alpha=-s["lr"])
+                    w.add_(mom)
+                applied = True
+        if applied and self._verdict is None and not bool(torch.isfinite(self._sync[: 2 * d]).all()):
+            self._verdict = "nonfinite"
+
+    # ------------------------------------------------------------------ verdicts
+
+    def _resolve(self) -> None:
+        """Act once on a completed synchronisation: average the buffers, or discard a bad window."""
+        if self._resolved and self._verdict is None:
+            return
+        if self._verdict is None:
+            if self._sync_buffers and self.comm_mode == "shadow":
+                self._unpack_buffers(self._trailer_buffers, scale=self._sync_scale)
+            self._resolved = True
+            return
+        verdict, self._verdict = self._verdict, None
+        first, last = self._window_start, self._steps
+        # Back to the last synchronised state, on every rank alike.
+        self._server_weight.copy_(self._pre)
+        self._server_momentum.copy_(self._sync_momentum)
+        self._flat.buffer.copy_(self._pre)
+        self._sync_scale = 1.0
+        self._steps = first
+        self._resolved = True
+        if self.comm_mode == "shadow":
+            self._sync_state = "ready"
+        else:
+            self._pending.clear()
+            self._pull_due = True
+        if verdict == "mismatch":
+            raise ValueError(self._mismatch_message(first, last, discarded=True))
+        self._nonfinite(
+            f"a gradient or local update was not finite on some rank during steps {first}..{last - 1}; "
+            "that window was discarded on every rank and the parameters reset to the last "
+            "synchronised global weights",
+            skipped=last - first,
+        )
+
+    def _nonfinite(self, problem: str, *, skipped: int) -> None:
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(f"SSDSGD: {problem}")
+        self.skipped_steps += skipped
+        warnings.warn(f"SSDSGD: {problem}; {skipped} step(s) skipped", RuntimeWarning, stacklevel=3)
+
+    def _mismatch_message(self, first: int, last: int, *, discarded: bool) -> str:
+        what = (f"steps {first}..{last - 1} (that window was discarded on every rank)" if discarded
+                else f"step {first} (nothing was modified)")
+        return ("SSDSGD: the ranks' step counts or hyperparameters (lr, momentum, weight decay, GLU "
+                f"settings) differed during {what}; the exact mapping of the parameter server needs "
+                "identical values on every rank, e.g. the same learning-rate schedule")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _write_check(self, out: torch.Tensor, crc: int) -> None:
+        """Four 4-bit digits of the CRC and their squares: after the sum, ranks agree iff K sum(x^2) = (sum x)^2."""
+        digits = [(crc >> (4 * i)) & 15 for i in range(4)]
+        out.copy_(torch.tensor(digits + [x * x for x in digits], dtype=out.dtype))
+
+    def _check_agrees(self, summed: torch.Tensor) -> bool:
+        values = summed.tolist()
+        return all(self.world_size * sq == s * s for s, sq in zip(values[:4], values[4:]))
+
+    def _unpack_buffers(self, flat: torch.Tensor, *, scale: float) -> None:
+        start = 0
+        for b in self._sync_buffers:
+            n = b.numel()
+            b.copy_((flat[start : start + n] * scale).view(b.shape))
+            start += n
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"SSDSGD: {what} did not complete on rank {self.rank}: another rank stopped early or "
+                f"failed, or the process group's timeout passed ({error})"
+            ) from error
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _flush(self) -> None:
+        if self.comm_mode == "shadow":
+            if self._sync_state == "in_flight":
+                self._complete_sync()
+        else:
+            self._drain()
+
+    def state_dict(self) -> dict:
+        """Per-rank state: flushes an in-flight synchronisation first (it stays to be consumed)."""
+        self._flush()
+        state = super().state_dict()
+        params = self._flat.params
+        state["state"] = {
+            index: {**value, "local_weight": params[index].detach().clone()}
+            for index, value in state["state"].items()
+        }
+        state["ssd_sgd"] = dict(
+            rank=self.rank, world_size=self.world_size, comm=self.comm_mode,
+            delay_steps=self.delay_steps, warmup_steps=self.warmup_steps,
+            steps=self._steps, skipped_steps=self.skipped_steps, delay_ready=self._delay_ready,
+            window_start=self._window_start, window_crc=self._window_crc,
+            sync_state=self._sync_state, sync_scale=self._sync_scale, verdict=self._verdict,
+            resolved=self._resolved, pull_due=self._pull_due,
+            trailer=self._sync[2 * self._flat.numel :].clone(),
+        )
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state dict this rank saved; checks with one collective that ranks agree."""
+        if not isinstance(state_dict, dict) or "ssd_sgd" not in state_dict:
+            raise ValueError("not an SSDSGD state dict (no 'ssd_sgd' entry)")
+        extra = state_dict["ssd_sgd"]
+        for key, mine in (("world_size", self.world_size), ("rank", self.rank), ("comm", self.comm_mode),
+                          ("delay_steps", self.delay_steps), ("warmup_steps", self.warmup_steps)):
+            if extra.get(key) != mine:
+                raise ValueError(
+                    f"this state dict has {key}={extra.get(key)!r} but this optimizer has {mine!r}; "
+                    "SSDSGD's state is per rank: load each rank's own state dict into an optimizer "
+                    "built with the same settings"
+                )
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(groups)} parameter groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        for group in groups:
+            _check_group_hyperparameters({**self.defaults, **group})
+        params = self._flat.params
+        saved_ids = [i for g in groups for i in g["params"]]
+        if len(saved_ids) != len(params):
+            raise ValueError(f"the state dict holds {len(saved_ids)} parameters, this optimizer {len(params)}")
+        saved = {}
+        for index, p in zip(saved_ids, params):
+            entry = state_dict["state"].get(index)
+            if entry is None:
+                raise ValueError(f"the state dict has no state for parameter {index}")
+            for name in _STATE_NAMES + ("local_weight",):
+                t = entry.get(name)
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                    raise ValueError(f"state {name!r} of parameter {index} is missing or not shaped "
+                                     f"like its parameter {tuple(p.shape)}")
+            saved[p] = entry
+        trailer = extra["trailer"]
+        if not isinstance(trailer, torch.Tensor) or trailer.numel() != self._sync.numel() - 2 * self._flat.numel:
+            raise ValueError("the state dict's sync trailer does not match this optimizer's sync_buffers")
+        pre = torch.cat([saved[p]["pre_weight"].reshape(-1) for p in params]).to(self._state_dtype)
+        sync_mom = torch.cat([saved[p]["sync_momentum"].reshape(-1) for p in params]).to(self._state_dtype)
+        server = torch.cat([saved[p][n].reshape(-1) for n in ("shadow_weight", "shadow_momentum")
+                            for p in params]).to(self._state_dtype)
+        server_is_global = extra["comm"] == "per_step" or extra["sync_state"] == "ready"
+        self._flush()  # a collective this rank launched must complete before the state changes
+        self._agree(
+            self._config_fields(self._sync_buffers) + [
+                ("the saved hyperparameters", [[g.get(k) for k in _GROUP_KEYS] for g in groups]),
+                ("the step counters", (extra["steps"], extra["window_start"], extra["delay_ready"],
+                                       extra["sync_state"], extra["verdict"], extra["pull_due"])),
+                ("the pre-weight", _tensor_digest(pre)),
+                ("the synchronised momentum", _tensor_digest(sync_mom)),
+                ("the synchronised server state", _tensor_digest(server) if server_is_global else ""),
+            ],
+            "load each rank's state dict from one checkpoint",
+            label="load_state_dict_check",
+        )
+        with torch.no_grad():
+            for group, saved_group in zip(self.param_groups, groups):
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+            self._pre.copy_(pre)
+            self._sync_momentum.copy_(sync_mom)
+            self._sync[: 2 * self._flat.numel].copy_(server)
+            self._sync[2 * self._flat.numel :].copy_(trailer)
+            self._flat.buffer.copy_(torch.cat([saved[p]["local_weight"].reshape(-1) for p in params]))
+        self._work = None
+        self._pending.clear()
+        self._steps = int(extra["steps"])
+        self.skipped_steps = int(extra["skipped_steps"])
+        self._delay_ready = bool(extra["delay_ready"])
+        self._window_start = int(extra["window_start"])
+        self._window_crc = int(extra["window_crc"])
+        self._sync_state = extra["sync_state"]
+        self._sync_scale = float(extra["sync_scale"])
+        self._verdict = extra["verdict"]
+        self._resolved = bool(extra["resolved"])
+        self._pull_due = bool(extra["pull_due"])
