@@ -36,6 +36,12 @@ FOSI / DHO2
 ``gram_schmidt_subtract``        its second half, ``h - basis[:r]^T coef`` and the norm
 ``fosi_step``                    one FOSI update of a flat parameter buffer
 ===============================  ===============================================
+
+DSP
+
+===============================  ===============================================
+``sgd_momentum_step``            one fused ``torch.optim.SGD`` step of a flat buffer
+===============================  ===============================================
 """
 
 from tritonopt._ops.ef_topk import densify_blocks, ef_topk
@@ -54,6 +60,7 @@ from tritonopt._ops.lanczos import (
     gram_schmidt_subtract,
 )
 from tritonopt._ops.lowrank import lowrank_ef, lowrank_frobenius_products
+from tritonopt._ops.sgd_momentum import sgd_momentum_step
 from tritonopt._ops.sparse_ring import densify_ring, sparse_lcg, sparse_ring_insert, sparse_sp
 
 __all__ = [
@@ -70,6 +77,7 @@ __all__ = [
     "kfac_factor_update",
     "lowrank_ef",
     "lowrank_frobenius_products",
+    "sgd_momentum_step",
     "sparse_lcg",
     "sparse_ring_insert",
     "sparse_sp",
