@@ -32,6 +32,7 @@ experiments: install
 	$(PY) perf/kfac_experiment.py
 	$(PY) perf/kaisa_tradeoff.py
 	$(PY) perf/fosi_experiment.py
+	$(PY) perf/dsp_experiment.py
 
 # Kernel benchmarks; on a machine without CUDA they time the torch reference only.
 bench: install
