@@ -247,7 +247,7 @@ class Mode:
                 else:
                     losses = []
                     self.schedule.step(target=y, losses=losses)
-                    self.losses.append(sum(float(v) for v in losses) / len(losses))
+                    self.losses.append(sum(float(v.detach()) for v in losses) / len(losses))
                 self.optimizer.step()
         else:
             losses = self.stage.train(batches)

@@ -52,7 +52,14 @@ def make_mlp() -> nn.Sequential:
     )
 
 
-CNN_BOUNDARIES, MLP_BOUNDARIES = [5], [2, 4, 6]
+def make_plain() -> nn.Sequential:
+    """No stochastic layer: two stages (cut at 2) whose results do not depend on a shared RNG stream."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 10), nn.ReLU(), nn.Linear(10, 3))
+
+
+CNN_BOUNDARIES, MLP_BOUNDARIES, PLAIN_BOUNDARIES = [5], [2, 4, 6], [2]
+INTERLEAVED_CHUNKS = [(0, 4), (4, 8), (8, 10)]
 
 
 def cnn_batches(count=BATCHES, seed=1):
@@ -130,6 +137,21 @@ def two_rank_scenarios(rank, groups):
         rank, make_cnn, CNN_BOUNDARIES, batches, (2, 0), group=pair, bn_policy="recompute"
     )
     out["streaming"] = train_stage(rank, make_cnn, CNN_BOUNDARIES, batches, (2, 0), group=pair, flush="never")
+
+    # Two streaming pipelines on the same ranks take turns: each keeps its own messages.
+    streams = [(mlp_batches(seed=3), (2, 0)), (mlp_batches(seed=4), (1, 0))]
+    modules = [split_stages(make_plain(), boundaries=PLAIN_BOUNDARIES)[rank] for _ in streams]
+    stages = [
+        DSPStage(m, make_optimizer(m), staleness=st[rank], loss_fn=nn.functional.cross_entropy, group=pair,
+                 flush="never")
+        for m, (_, st) in zip(modules, streams)
+    ]
+    for lo, hi in INTERLEAVED_CHUNKS:
+        for stage, (data, _) in zip(stages, streams):
+            stage.train(data[lo:hi])
+    for stage in stages:
+        stage.flush()
+    out["interleaved"] = [stage_state(m) for m in modules]
 
     module = split_stages(make_cnn(), boundaries=CNN_BOUNDARIES)[rank]
     loss = nn.functional.cross_entropy
@@ -313,6 +335,21 @@ def test_recompute_policy_and_streaming_equal_the_simulator(two_ranks):
     # The two policies update BatchNorm statistics at different weights: they must differ.
     out = ranks[0]
     assert not all(torch.equal(a, b) for a, b in zip(out["recompute_policy"]["state"], out[(2, 0)]["state"]))
+
+
+def test_streaming_pipelines_on_the_same_ranks_keep_their_messages_apart(two_ranks):
+    ranks, _, _ = two_ranks
+    for index, (seed, staleness) in enumerate([(3, (2, 0)), (4, (1, 0))]):
+        stages = split_stages(make_plain(), boundaries=PLAIN_BOUNDARIES)
+        data = mlp_batches(seed=seed)
+        with one_thread():
+            sim = DSPSimulator(stages, [make_optimizer(s) for s in stages], staleness, nn.functional.cross_entropy,
+                               flush="never")
+            for lo, hi in INTERLEAVED_CHUNKS:
+                sim.train(data[lo:hi])
+            sim.flush()
+        for rank in range(2):
+            assert_equal_states(ranks[rank]["interleaved"][index], stage_state(stages[rank]))
 
 
 @pytest.mark.parametrize("staleness", TWO_STAGE_STALENESS)

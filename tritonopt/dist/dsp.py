@@ -23,7 +23,10 @@ Communication. Only neighbours talk, with ``isend``/``irecv`` through a
 :class:`~tritonopt.dist._comm.CountingCommunicator`: rank ``k -> k+1`` carries
 activations (label ``"activation"``, ``B * s_out * b`` bytes per batch), rank
 ``k+1 -> k`` error gradients (label ``"gradient"``, the same size); each
-ordered pair of ranks is one FIFO stream. The receive for the next message of
+ordered pair of ranks is one FIFO stream per stage. Every stage built on the
+same ranks gets tags of its own (the ranks check that they agree on its
+index), so stages that stream batches across calls can take turns on the same
+ranks (on gloo; NCCL ignores tags, so there give each such stage its own group). The receive for the next message of
 each kind is posted before the current one is used (activations into a fresh
 buffer, which the input queue keeps; gradients into a ring of two buffers).
 Shapes and dtypes are found once, by a dry run of every block on the first
@@ -35,6 +38,10 @@ Failures. Every wait carries ``timeout`` (default: the group's own timeout), so
 a rank that dies or stalls surfaces on its neighbours as :class:`DSPPeerError`
 within it (a rank that exits is usually noticed at once, by the closed
 connection). Configuration errors found at start-up are raised on every rank.
+
+NVTX ranges: ``tritonopt/dsp/forward``, ``/backward`` and ``/forward_backward`` per
+compute phase (``/recompute``, ``/autograd`` and ``/update`` inside), ``/send``,
+``/wait_activation`` and ``/wait_gradient``.
 
 Memory per rank (spec sec. 2.6; :meth:`DSPStage.memory_report`): one copy of the
 block's weights, gradients and optimizer state; the input queue, ``m_k`` inputs
@@ -70,7 +77,9 @@ __all__ = ["DSPConfigurationError", "DSPPeerError", "DSPStage"]
 _WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MAX_DIMS = 8
 _MESSAGE_BYTES = 512  # of an error message shared at start-up
-_TAG_ACTIVATION, _TAG_GRADIENT, _TAG_SHAPE = 0, 1, 2
+_TAGS_PER_STAGE = 3  # activation, gradient, shape
+# DSP stages built so far in this process on each tuple of global ranks (their tags differ).
+_STAGES_BUILT: dict[tuple[int, ...], int] = {}
 
 
 class DSPPeerError(RuntimeError):
@@ -165,10 +174,22 @@ class DSPStage:
             self._check_arguments(module, optimizer, staleness, loss_fn, bn_policy, flush, phase_hook)
         except (TypeError, ValueError) as exc:
             problem = exc
+        members = tuple(self._global_rank(k) for k in range(self.num_stages))
+        instance = _STAGES_BUILT.get(members, 0)
+        _STAGES_BUILT[members] = instance + 1
         rows = self._agree(
-            [staleness if problem is None else -1, FLUSH_MODES.index(flush) if problem is None else -1],
+            [staleness if problem is None else -1, FLUSH_MODES.index(flush) if problem is None else -1, instance],
             problem,
         )
+        if len({row[2] for row in rows}) > 1:
+            raise RuntimeError(
+                "the ranks built different numbers of DSP stages on these ranks before this one "
+                f"({[row[2] for row in rows]}); build them in the same order everywhere"
+            )
+        # Tags of their own: messages still in flight for this stage (streaming) are never taken
+        # by another stage on the same ranks (gloo matches tags; NCCL ignores them, so there two
+        # stages that stream at the same time need groups of their own).
+        self._tags = {kind: _TAGS_PER_STAGE * instance + i for i, kind in enumerate(("activation", "gradient", "shape"))}
         self.staleness_vector = check_staleness([row[0] for row in rows])
         flushes = {FLUSH_MODES[row[1]] for row in rows}
         if len(flushes) > 1:
@@ -287,7 +308,9 @@ class DSPStage:
         buffer = torch.empty(shape, dtype=dtype, device=self._device)
         work = self._post(
             f"posting a receive from stage {self.stage - 1}",
-            lambda: self.communicator.irecv(buffer, self._prev, label="activation", tag=_TAG_ACTIVATION),
+            lambda: self.communicator.irecv(
+                buffer, self._prev, label="activation", tag=self._tags["activation"]
+            ),
         )
         return work, buffer
 
@@ -296,7 +319,9 @@ class DSPStage:
         self._grad_slot ^= 1
         work = self._post(
             f"posting a receive from stage {self.stage + 1}",
-            lambda: self.communicator.irecv(buffer, self._next, label="gradient", tag=_TAG_GRADIENT),
+            lambda: self.communicator.irecv(
+                buffer, self._next, label="gradient", tag=self._tags["gradient"]
+            ),
         )
         return work, buffer
 
@@ -312,7 +337,9 @@ class DSPStage:
         else:
             work = self._post(
                 "posting the shape receive",
-                lambda: self.communicator.irecv(message, self._prev, label="setup", tag=_TAG_SHAPE),
+                lambda: self.communicator.irecv(
+                    message, self._prev, label="setup", tag=self._tags["shape"]
+                ),
             )
             self._wait(work, f"receiving the activation shape from stage {self.stage - 1}")
             status, dtype_code, ndim, *dims = message.tolist()
@@ -340,7 +367,9 @@ class DSPStage:
             )
             work = self._post(
                 "sending the shape",
-                lambda: self.communicator.isend(message, self._next, label="setup", tag=_TAG_SHAPE),
+                lambda: self.communicator.isend(
+                    message, self._next, label="setup", tag=self._tags["shape"]
+                ),
             )
             self._wait(work, f"sending the activation shape to stage {self.stage + 1}")
         # The failing stage raises its own exception, every other one a DSPConfigurationError naming it.
@@ -445,7 +474,7 @@ class DSPStage:
                 gradient = self._post_gradient() if gradients_left else None
                 grad_input = compute.backward(batch, grad_output)
                 if not self.is_first:
-                    self._send(grad_input, self._prev, "gradient", _TAG_GRADIENT)
+                    self._send(grad_input, self._prev, "gradient", self._tags["gradient"])
                 continue
             inputs, targets = next(items) if (self.is_first or self.is_last) else (None, None)
             if self.is_first:
@@ -467,12 +496,12 @@ class DSPStage:
                         f"batch {batch}: this stage's output has shape {tuple(output.shape)} and dtype "
                         f"{output.dtype}, but the pipeline was set up for {self._output_spec}"
                     )
-                self._send(output, self._next, "activation", _TAG_ACTIVATION)
+                self._send(output, self._next, "activation", self._tags["activation"])
             else:
                 loss, grad_input = compute.forward_backward(batch, inputs, targets)
                 losses.append(loss)
                 if not self.is_first:
-                    self._send(grad_input, self._prev, "gradient", _TAG_GRADIENT)
+                    self._send(grad_input, self._prev, "gradient", self._tags["gradient"])
         return losses
 
     # ------------------------------------------------------------ reports

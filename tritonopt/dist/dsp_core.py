@@ -275,7 +275,7 @@ class StageCompute:
 
     def _step(self, backward: Callable[[], None]) -> None:
         self.optimizer.zero_grad()
-        with nvtx_range("tritonopt/dsp/backward"):
+        with nvtx_range("tritonopt/dsp/autograd"):
             backward()
         with nvtx_range("tritonopt/dsp/update"):
             self.optimizer.step()
