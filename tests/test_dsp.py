@@ -421,3 +421,21 @@ def test_split_at_pipe_split_markers():
         split_stages(model, 3, example_args=(x,))
     with pytest.raises(TypeError, match="pipe_split"):
         split_stages(model, 2)
+
+
+def test_a_tritonopt_optimizer_per_stage():
+    """Any optimizer with zero_grad() and step(): here tritonopt's SparseAdaGrad (reference backend)."""
+    import tritonopt
+    from tritonopt.optim import SparseAdaGrad
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 3, generator=gen)
+    data = []
+    for _ in range(40):
+        x = torch.randn(16, 6, generator=gen)
+        data.append((x, (x @ w).argmax(1)))
+    stages = split_stages(make_mlp(), boundaries=MLP_CUTS[2])
+    optimizers = [SparseAdaGrad(s.parameters(), lr=0.05, density=0.5, block_size=64) for s in stages]
+    with tritonopt.use_backend("reference"):
+        losses = simulate_dsp(stages, optimizers, data, [2, 0], LOSS)
+    assert losses[-10:].mean() < 0.7 * losses[:10].mean()
