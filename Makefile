@@ -54,6 +54,7 @@ experiments: install
 	$(PY) -m perf.kaisa_tradeoff
 	$(PY) -m perf.fosi_experiment
 	$(PY) -m perf.ssd_sgd_experiment
+	$(PY) -m perf.dsp_experiment
 
 # Kernel and optimizer-step benchmarks; on a machine without CUDA they time the reference
 # path only, into perf/results/cpu/ (not committed).

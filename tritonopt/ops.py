@@ -42,6 +42,12 @@ SSD-SGD
 ===============================  ===============================================
 ``ssd_sgd_step``                 GLU local update fused with the shadow server's momentum step
 ===============================  ===============================================
+
+DSP
+
+===============================  ===============================================
+``sgd_momentum_step``            one fused ``torch.optim.SGD`` step of a flat buffer
+===============================  ===============================================
 """
 
 from tritonopt._ops.ef_topk import densify_blocks, ef_topk
@@ -60,6 +66,7 @@ from tritonopt._ops.lanczos import (
     gram_schmidt_subtract,
 )
 from tritonopt._ops.lowrank import lowrank_ef, lowrank_frobenius_products
+from tritonopt._ops.sgd_momentum import sgd_momentum_step
 from tritonopt._ops.sparse_ring import densify_ring, sparse_lcg, sparse_ring_insert, sparse_sp
 from tritonopt._ops.ssd_sgd import ssd_sgd_step
 
@@ -77,6 +84,7 @@ __all__ = [
     "kfac_factor_update",
     "lowrank_ef",
     "lowrank_frobenius_products",
+    "sgd_momentum_step",
     "sparse_lcg",
     "sparse_ring_insert",
     "sparse_sp",

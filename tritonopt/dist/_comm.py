@@ -15,6 +15,7 @@ all_reduce        the tensor                      the tensor
 broadcast         the tensor on ``src``, else 0   the tensor off ``src``, else 0
 all_gather        the input                       the output less this rank's input
 all_to_all        the input less the self chunk   the output less the self chunk
+isend / irecv     the tensor (isend)              the tensor (irecv)
 ================  ==============================  ================================
 
 Every tensor handed to a collective must be contiguous (a non-contiguous
@@ -144,3 +145,17 @@ class CountingCommunicator:
             group=group,
             async_op=async_op,
         )
+
+    # ------------------------------------------------------------ point to point
+
+    def isend(self, tensor, dst: int, *, label: str, group=None, tag: int = 0):
+        """``dist.isend`` to global rank ``dst``; returns the work handle."""
+        _require_contiguous(label, tensor=tensor)
+        self._record(label, _nbytes(tensor), 0)
+        return dist.isend(tensor, dst=dst, group=self._group(group), tag=tag)
+
+    def irecv(self, tensor, src: int, *, label: str, group=None, tag: int = 0):
+        """``dist.irecv`` from global rank ``src`` into ``tensor``; returns the work handle."""
+        _require_contiguous(label, tensor=tensor)
+        self._record(label, 0, _nbytes(tensor))
+        return dist.irecv(tensor, src=src, group=self._group(group), tag=tag)

@@ -1,0 +1,441 @@
+"""DSP's arithmetic in one process: the simulator against backprop, the paper's eq. (5) and its own rules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.pipelining import pipe_split
+
+from tritonopt.dist import DSPSimulator, simulate_dsp, split_stages
+from tritonopt.dist.dsp_core import check_staleness, stage_actions
+
+LOSS = nn.functional.cross_entropy
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models are tiny: one intra-op thread avoids thread hand-off costs on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_mlp(dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(dropout), nn.ReLU(),
+        nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3),
+    )
+
+
+MLP_CUTS = {1: [], 2: [3], 3: [2, 5], 4: [2, 5, 7]}
+
+
+def make_cnn() -> nn.Sequential:
+    """BatchNorm and dropout in the first block (cut at child 4)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.3),
+        nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 5 * 5, 3),
+    )
+
+
+def mlp_batches(count=12, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)) for _ in range(count)]
+
+
+def cnn_batches(count=8, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(6, 3, 5, 5, generator=gen), torch.randint(0, 3, (6,), generator=gen)) for _ in range(count)]
+
+
+def sgd(params, lr=0.1):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-3)
+
+
+def state(module):
+    return [t.detach().clone() for t in module.state_dict().values()]
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y), (x.float() - y.float()).abs().max()
+
+
+def backprop(model, batches, make_optimizer):
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = LOSS(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+# --------------------------------------------------------------------------- zero staleness is backprop
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("make_optimizer", [sgd, lambda p: torch.optim.Adam(p, lr=1e-2)], ids=["sgd", "adam"])
+def test_zero_staleness_is_backprop_bit_for_bit(num_stages, make_optimizer):
+    batches = mlp_batches()
+    reference = make_mlp(dropout=0.2)
+    torch.manual_seed(7)
+    expected = backprop(reference, batches, make_optimizer)
+
+    model = make_mlp(dropout=0.2)
+    stages = split_stages(model, boundaries=MLP_CUTS[num_stages])
+    torch.manual_seed(7)  # the stages share this stream, drawn in backprop's order
+    losses = simulate_dsp(stages, [make_optimizer(s.parameters()) for s in stages], batches, [0] * num_stages, LOSS)
+    assert torch.equal(losses, expected)
+    assert_same(state(model), state(reference))
+
+
+@pytest.mark.parametrize("bn_policy", ["forward", "recompute"])
+def test_zero_staleness_is_backprop_with_batchnorm_and_dropout(bn_policy):
+    batches = cnn_batches()
+    reference = make_cnn()
+    torch.manual_seed(3)
+    expected = backprop(reference, batches, sgd)
+    model = make_cnn()
+    stages = split_stages(model, boundaries=[4])
+    torch.manual_seed(3)
+    losses = simulate_dsp(stages, [sgd(s.parameters()) for s in stages], batches, [0, 0], LOSS, bn_policy=bn_policy)
+    assert torch.equal(losses, expected)
+    assert_same(state(model), state(reference))  # running statistics included
+
+
+# --------------------------------------------------------------------------- staleness semantics
+
+
+STALENESS_VECTORS = [(1, 0), (4, 0), (2, 2, 0), (4, 2, 0), (6, 4, 2, 0), (3, 1, 1, 0)]
+
+
+@pytest.mark.parametrize("staleness", STALENESS_VECTORS)
+def test_forward_of_t_sees_the_updates_of_batches_before_t_minus_m(staleness):
+    num_stages, n = len(staleness), 12
+    stages = split_stages(make_mlp(), boundaries=MLP_CUTS[num_stages])
+    sim = DSPSimulator(stages, [sgd(s.parameters()) for s in stages], staleness, LOSS, record_events=True)
+    sim.train(mlp_batches(n))
+    for k, m in enumerate(staleness):
+        events = sim.stages[k].events
+        last = k == num_stages - 1
+        forwards = [(b, v) for kind, b, v in events if kind == ("forward_backward" if last else "forward")]
+        backwards = [(b, v) for kind, b, v in events if kind in ("backward", "forward_backward")]
+        # version = optimizer steps taken before the event; updates happen in batch order
+        assert forwards == [(t, max(0, t - m)) for t in range(n)]
+        assert backwards == [(j, j) for j in range(n)]
+        # steady state: exactly m_k updates between the forward and the backward of a batch
+        for t in range(m, n):
+            assert dict(backwards)[t] - dict(forwards)[t] == m
+
+
+def test_stage_actions_order():
+    assert list(stage_actions(2, False, 0, 4)) == [
+        ("forward", 0), ("forward", 1), ("forward", 2), ("backward", 0), ("forward", 3), ("backward", 1),
+    ]
+    assert list(stage_actions(2, False, 4, 0, pending=[2, 3])) == [("backward", 2), ("backward", 3)]
+    assert list(stage_actions(0, True, 5, 2)) == [("forward_backward", 5), ("forward_backward", 6)]
+
+
+def _recorder(optimizer, module):
+    """Weights after every update (index = version) and the gradient each update used."""
+    weights = [[p.detach().clone() for p in module.parameters()]]
+    grads = []
+    optimizer.register_step_pre_hook(lambda *_: grads.append([p.grad.clone() for p in module.parameters()]))
+    optimizer.register_step_post_hook(
+        lambda *_: weights.append([p.detach().clone() for p in module.parameters()])
+    )
+    return weights, grads
+
+
+def _at(module, params):
+    clone = copy.deepcopy(module)
+    with torch.no_grad():
+        for p, w in zip(clone.parameters(), params):
+            p.copy_(w)
+    return clone
+
+
+@pytest.mark.parametrize("staleness", [(4, 2, 0), (2, 1, 0), (0, 0, 0)])
+def test_gradients_are_the_dsp_gradient_of_equation_5(staleness):
+    """Paper eq. (5): block k's Jacobians at its backward-time weights, around its forward-time input.
+
+    Rebuilt from recorded weights alone: the input of block k is computed with
+    every lower block j at its forward-time version ``max(0, i - m_j)``; the
+    error gradient then flows down through every block at its version before the
+    update of batch ``i`` (version ``i``).
+    """
+    batches = mlp_batches(10)
+    stages = split_stages(make_mlp(), boundaries=MLP_CUTS[3])
+    pristine = copy.deepcopy(stages)
+    optimizers = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.5) for s in stages]
+    records = [_recorder(o, s) for o, s in zip(optimizers, stages)]
+    simulate_dsp(stages, optimizers, batches, staleness, LOSS)
+
+    for i, (x, y) in enumerate(batches):
+        inputs = [x]
+        for j in range(2):
+            forward_weights = records[j][0][max(0, i - staleness[j])]
+            with torch.no_grad():
+                inputs.append(_at(pristine[j], forward_weights)(inputs[-1]))
+        delta = None
+        for j in (2, 1, 0):
+            block = _at(pristine[j], records[j][0][i])
+            h = inputs[j].clone().requires_grad_(j > 0)
+            out = block(h)
+            (LOSS(out, y) if j == 2 else out).backward(None if j == 2 else delta)
+            for g_recorded, p in zip(records[j][1][i], block.parameters()):
+                assert torch.equal(g_recorded, p.grad), (i, j, (g_recorded - p.grad).abs().max())
+            delta = h.grad
+
+
+# --------------------------------------------------------------------------- BatchNorm, dropout, memory
+
+
+def test_recompute_replays_the_forwards_dropout_masks():
+    stages = split_stages(make_cnn(), boundaries=[4])
+    outputs = {True: [], False: []}  # by grad mode: the recompute runs with a graph
+    stages[0].register_forward_hook(lambda mod, args, out: outputs[torch.is_grad_enabled()].append(out.detach()))
+    optimizers = [torch.optim.SGD(s.parameters(), lr=0.0) for s in stages]  # weights stay put
+    torch.manual_seed(5)
+    simulate_dsp(stages, optimizers, cnn_batches(), [3, 0], LOSS)
+    assert len(outputs[False]) == len(outputs[True]) == 8
+    for forward, recomputed in zip(outputs[False], outputs[True]):
+        assert torch.equal(forward, recomputed)
+    # ...and the masks do vary from batch to batch (the check is not vacuous)
+    zeros = [(o == 0).float().mean().item() for o in outputs[False]]
+    assert min(zeros) > 0 and len(set(zeros)) > 1
+
+
+@pytest.mark.parametrize("bn_policy", ["forward", "recompute"])
+def test_running_statistics_are_updated_once_per_batch(bn_policy):
+    batches = cnn_batches()
+    reference = make_cnn()
+    backprop(reference, batches, lambda p: torch.optim.SGD(p, lr=0.0))
+    model = make_cnn()
+    stages = split_stages(model, boundaries=[4])
+    simulate_dsp(stages, [torch.optim.SGD(s.parameters(), lr=0.0) for s in stages], batches, [3, 0], LOSS,
+                 bn_policy=bn_policy)
+    # with constant weights every pass sees the same statistics: exactly backprop's, counted once per batch
+    bn, bn_reference = model[1], reference[1]
+    assert int(bn.num_batches_tracked) == len(batches)
+    assert torch.equal(bn.running_mean, bn_reference.running_mean)
+    assert torch.equal(bn.running_var, bn_reference.running_var)
+
+
+def test_the_policies_differ_once_weights_move():
+    results = {}
+    for policy in ("forward", "recompute"):
+        model = make_cnn()
+        stages = split_stages(model, boundaries=[4])
+        torch.manual_seed(0)
+        simulate_dsp(stages, [sgd(s.parameters()) for s in stages], cnn_batches(), [3, 0], LOSS, bn_policy=policy)
+        results[policy] = model[1].running_mean.clone()
+        assert int(model[1].num_batches_tracked) == 8
+    assert not torch.equal(results["forward"], results["recompute"])
+
+
+@pytest.mark.parametrize("staleness", [(0, 0), (1, 0), (3, 0), (5, 2, 0)])
+def test_queue_memory_equals_the_formula(staleness):
+    num_stages = len(staleness)
+    stages = split_stages(make_mlp(), boundaries=MLP_CUTS[num_stages])
+    sim = DSPSimulator(stages, [sgd(s.parameters()) for s in stages], staleness, LOSS)
+    sim.train(mlp_batches(10))
+    input_bytes = [8 * 6 * 4, 8 * 16 * 4, 8 * 16 * 4] if num_stages == 3 else [8 * 6 * 4, 8 * 16 * 4]
+    for k, report in enumerate(sim.memory_report()):
+        assert report["expected_queue_bytes"] == staleness[k] * input_bytes[k]
+        assert report["peak_queue_bytes"] == report["expected_queue_bytes"]
+        assert report["peak_queue_entries"] == staleness[k]
+        assert report["queue_bytes"] == 0  # drained
+
+
+# --------------------------------------------------------------------------- order independence, streaming
+
+
+@pytest.mark.parametrize("staleness", [(4, 2, 0), (6, 4, 2, 0), (3, 3, 1, 0)])
+def test_any_interleaving_of_the_stages_gives_the_same_result(staleness):
+    num_stages = len(staleness)
+    runs = []
+    for interleaving in (None, 0, 1, 2):
+        model = make_mlp(dropout=0.3)
+        stages = split_stages(model, boundaries=MLP_CUTS[num_stages])
+        sim = DSPSimulator(stages, [sgd(s.parameters()) for s in stages], staleness, LOSS, seeds=[11, 12, 13, 14][:num_stages])
+        losses = sim.train(mlp_batches(), interleaving_seed=interleaving)
+        runs.append((losses, state(model)))
+    for losses, params in runs[1:]:
+        assert torch.equal(losses, runs[0][0])
+        assert_same(params, runs[0][1])
+
+
+def test_own_seeds_leave_the_callers_stream_alone():
+    stages = split_stages(make_mlp(dropout=0.3), boundaries=[3])
+    torch.manual_seed(9)
+    expected = torch.rand(3)
+    torch.manual_seed(9)
+    simulate_dsp(stages, [sgd(s.parameters()) for s in stages], mlp_batches(), [2, 0], LOSS, seeds=[1, 2])
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_streaming_then_flush_equals_one_long_epoch():
+    batches = mlp_batches(13)
+    streamed_model, epoch_model = make_mlp(), make_mlp()
+    streamed = split_stages(streamed_model, boundaries=MLP_CUTS[3])
+    sim = DSPSimulator(streamed, [sgd(s.parameters()) for s in streamed], (4, 2, 0), LOSS, flush="never")
+    first = sim.train(batches[:10])
+    assert [len(s.pending) for s in sim.stages] == [4, 2, 0]
+    second = sim.train(batches[10:])
+    sim.flush()
+    assert [len(s.pending) for s in sim.stages] == [0, 0, 0]
+    whole = split_stages(epoch_model, boundaries=MLP_CUTS[3])
+    losses = simulate_dsp(whole, [sgd(s.parameters()) for s in whole], batches, (4, 2, 0), LOSS)
+    assert torch.equal(torch.cat([first, second]), losses)
+    assert_same(state(streamed_model), state(epoch_model))
+
+
+def test_staleness_trains_close_to_backprop():
+    """Small staleness changes the trajectory, not the outcome, on an easy task."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 3, generator=gen)
+    batches = []
+    for _ in range(60):
+        x = torch.randn(16, 6, generator=gen)
+        batches.append((x, (x @ w).argmax(1)))
+    final = {}
+    for staleness in [(0, 0, 0), (2, 1, 0)]:
+        stages = split_stages(make_mlp(), boundaries=MLP_CUTS[3])
+        losses = simulate_dsp(stages, [torch.optim.SGD(s.parameters(), lr=0.05, momentum=0.9) for s in stages],
+                              batches, staleness, LOSS)
+        final[staleness] = losses[-20:].mean().item()
+    assert final[(2, 1, 0)] < 0.5 * 1.0986  # well below chance level, ln 3
+    assert abs(final[(2, 1, 0)] - final[(0, 0, 0)]) < 0.25 * final[(0, 0, 0)] + 0.05
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "staleness, message",
+    [
+        ((0, 1), "non-increasing"),
+        ((2, 3, 0), "non-increasing"),
+        ((2, 1), "must have staleness 0"),
+        ((-1, 0), "int >= 0"),
+        ((1.0, 0), "int >= 0"),
+        ((), "empty"),
+    ],
+)
+def test_bad_staleness_is_rejected(staleness, message):
+    with pytest.raises(ValueError, match=message):
+        check_staleness(staleness)
+
+
+def test_bad_simulator_arguments_are_rejected_before_anything_changes():
+    model = make_mlp()
+    stages = split_stages(model, boundaries=[3])
+    optimizers = [sgd(s.parameters()) for s in stages]
+    before = state(model)
+    with pytest.raises(ValueError, match="one optimizer per block"):
+        simulate_dsp(stages, optimizers[:1], mlp_batches(), [1, 0], LOSS)
+    with pytest.raises(ValueError, match="one staleness per block"):
+        simulate_dsp(stages, optimizers, mlp_batches(), [1, 1, 0], LOSS)
+    with pytest.raises(ValueError, match="non-increasing"):
+        simulate_dsp(stages, optimizers, mlp_batches(), [0, 1], LOSS)
+    with pytest.raises(ValueError, match="bn_policy"):
+        simulate_dsp(stages, optimizers, mlp_batches(), [1, 0], LOSS, bn_policy="never")
+    with pytest.raises(ValueError, match="seeds"):
+        simulate_dsp(stages, optimizers, mlp_batches(), [1, 0], LOSS, seeds=[1])
+    with pytest.raises(TypeError, match="loss_fn"):
+        simulate_dsp(stages, optimizers, mlp_batches(), [1, 0], None)
+    ragged = mlp_batches(5) + [(torch.randn(3, 6), torch.zeros(3, dtype=torch.long))]
+    with pytest.raises(ValueError, match="batch 5"):
+        simulate_dsp(stages, optimizers, ragged, [1, 0], LOSS)
+    with pytest.raises(TypeError, match="pair"):
+        simulate_dsp(stages, optimizers, [torch.randn(8, 6)], [1, 0], LOSS)
+    assert_same(state(model), before)
+    assert all(not o.state for o in optimizers)
+
+
+# --------------------------------------------------------------------------- splitting
+
+
+def test_split_sequential_shares_the_models_modules():
+    model = make_mlp()
+    stages = split_stages(model, boundaries=[2, 5])
+    assert [len(s) for s in stages] == [2, 3, 3]
+    assert stages[1][0] is model[2]
+    assert [len(s) for s in split_stages(model, 4)] == [2, 2, 2, 2]
+    x = torch.randn(4, 6)
+    h = x
+    for s in stages:
+        h = s(h)
+    assert torch.equal(h, model(x))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(boundaries=[0, 3]), ValueError, "increase strictly"),
+        (dict(boundaries=[3, 3]), ValueError, "increase strictly"),
+        (dict(boundaries=[3, 8]), ValueError, "increase strictly"),
+        (dict(num_stages=9), ValueError, "non-empty"),
+        (dict(num_stages=3, boundaries=[3]), ValueError, "num_stages=3"),
+        (dict(), ValueError, "num_stages or boundaries"),
+        (dict(boundaries=[2.5]), TypeError, "ints"),
+    ],
+)
+def test_bad_splits_are_rejected(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        split_stages(make_mlp(), **kwargs)
+
+
+class MarkedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(6, 16)
+        self.second = nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = torch.tanh(self.first(x))
+        pipe_split()
+        return self.second(x)
+
+
+def test_split_at_pipe_split_markers():
+    model = MarkedNet()
+    x = torch.randn(4, 6)
+    stages = split_stages(model, 2, example_args=(x,))
+    assert len(stages) == 2
+    assert torch.equal(stages[1](stages[0](x)), model(x))
+    assert stages[0].first.weight.data_ptr() == model.first.weight.data_ptr()  # shared, not copied
+    with pytest.raises(ValueError, match="make 2 stages"):
+        split_stages(model, 3, example_args=(x,))
+    with pytest.raises(TypeError, match="pipe_split"):
+        split_stages(model, 2)
+
+
+def test_a_tritonopt_optimizer_per_stage():
+    """Any optimizer with zero_grad() and step(): here tritonopt's SparseAdaGrad (reference backend)."""
+    import tritonopt
+    from tritonopt.optim import SparseAdaGrad
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 3, generator=gen)
+    data = []
+    for _ in range(40):
+        x = torch.randn(16, 6, generator=gen)
+        data.append((x, (x @ w).argmax(1)))
+    stages = split_stages(make_mlp(), boundaries=MLP_CUTS[2])
+    optimizers = [SparseAdaGrad(s.parameters(), lr=0.05, density=0.5, block_size=64) for s in stages]
+    with tritonopt.use_backend("reference"):
+        losses = simulate_dsp(stages, optimizers, data, [2, 0], LOSS)
+    assert losses[-10:].mean() < 0.7 * losses[:10].mean()
