@@ -18,6 +18,10 @@ per-epoch mean training loss. The claims checked (exit status 1 if one fails):
 * S-MFAC 1 % without EF: a clearly higher final train loss than with EF;
 * S-MFAC's state at least 30x smaller than dense M-FAC's (the one a smoke run checks).
 
+A full run also measures S-MFAC's state at ResNet-18 size (d = 11,689,512, m = 1024, 1 %,
+blocks of 16384) after one step on random gradients, next to the dense window's size
+(``efcp_resnet18_state.md``; about 1 GB of memory).
+
 Run from the repository root (about a minute on 2 CPU cores)::
 
     python -m perf.efcp_experiment [--epochs 10] [--seeds 0 1] [--out perf/results/efcp]
@@ -166,6 +170,32 @@ def write_outputs(rows, summary, checks, out_dir: Path, args) -> None:
     print(f"wrote {out_dir / 'efcp.png'}")
 
 
+def resnet18_state(out_dir: Path) -> None:
+    """S-MFAC's measured state at ResNet-18 size, and what a dense window would hold."""
+    import tritonopt
+    from perf._models import resnet18
+    from tritonopt.optim import SparseMFAC
+
+    params = list(resnet18().parameters())
+    d = sum(p.numel() for p in params)
+    ngrads, density, block = 1024, 0.01, 16384
+    opt = SparseMFAC(params, lr=0.01, density=density, ngrads=ngrads, damp=1e-5, block_size=block)
+    gen = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    with tritonopt.use_backend("reference"):
+        opt.step()
+    measured = opt.state_bytes()
+    dense_window = 4 * ngrads * d
+    text = (f"S-MFAC at ResNet-18 size (d = {d:,}, m = {ngrads}, density {density:.0%}, blocks of {block}): "
+            f"{measured:,} bytes after one step ({measured / 1e9:.2f} GB); a dense float32 window of "
+            f"the same m holds {dense_window:,} bytes ({dense_window / 1e9:.1f} GB), "
+            f"{dense_window / measured:.1f}x more.")
+    print(text)
+    (out_dir / "efcp_resnet18_state.md").write_text(text + "\n")
+    del opt, params
+
+
 def parse_args(argv):
     parser = harness.script_parser(
         __doc__.split("\n\n")[0], default_out="perf/results/efcp/",
@@ -198,6 +228,8 @@ def main(argv=None) -> int:
     summary = summarise(rows)
     checks = claims(summary)
     write_outputs(rows, summary, checks, out_dir, args)
+    if not args.smoke:
+        resnet18_state(out_dir)
     return harness.report_claims(checks, smoke=args.smoke)
 
 
