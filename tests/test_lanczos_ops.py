@@ -217,6 +217,13 @@ def test_lanczos_on_a_quadratic_with_known_spectrum():
         d = result.basis.double()
         orth = (d @ d.T - torch.eye(m, dtype=torch.float64)).abs().max()
         assert orth < (1e-12 if dtype == torch.float64 else 1e-5)
+        assert result.basis.stride(0) % 16 == 0  # n = 400 is padded only if needed; rows start aligned
+
+
+def test_the_basis_rows_start_aligned_for_any_length():
+    for n in (17, 30, 33):
+        result = lanczos(lambda v: v * torch.arange(1, n + 1, dtype=v.dtype), n, 6)
+        assert result.basis.shape[1] == n and result.basis.stride(0) % 16 == 0 and result.basis.stride(1) == 1
 
 
 def test_float32_single_pass_loses_orthogonality_that_cgs2_keeps():

@@ -70,3 +70,17 @@ def kept_per_block(density: Optional[float], k: Optional[int], block_size: int) 
         return min(k, block_size)
     # round() first so that e.g. 0.07 * 100 = 7.000000000000001 keeps 7, not 8.
     return max(1, math.ceil(round(density * block_size, 9)))
+
+
+ROW_ALIGNMENT = 16  # elements: 64 bytes of float32, so every row starts on a vector-load boundary
+
+
+def zeros_with_aligned_rows(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero ``[rows, cols]`` view of a ``[rows, ceil16(cols)]`` buffer.
+
+    The ops that read a basis row by row (Gram-Schmidt, the FOSI step) take such
+    views: with every row aligned, a GPU loads them in vectors rather than one
+    element at a time. The padding stays zero and is never read.
+    """
+    stride = cdiv(cols, ROW_ALIGNMENT) * ROW_ALIGNMENT
+    return torch.zeros((rows, stride), dtype=dtype, device=device)[:, :cols]

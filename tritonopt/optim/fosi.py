@@ -25,7 +25,7 @@ import torch
 
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_bool, check_choice, check_float, check_int
-from tritonopt.optim._blocks import BlockLayout
+from tritonopt.optim._blocks import BlockLayout, zeros_with_aligned_rows
 from tritonopt.optim._packed import PackedGroup, PackedOptimizer, bind_flat_state
 from tritonopt.optim.functional import (
     FOSI_BASES,
@@ -427,7 +427,7 @@ class FOSI(PackedOptimizer):
         stored = [p for p in params if "eigenvectors" in self.state[p]]
         rank = self.state[stored[0]]["eigenvectors"].shape[0] if stored else 0
         buffers = bind_flat_state(self.state, layout, list(_BASE_STATE[self.config.base]), dtype)
-        basis = torch.zeros((rank, layout.total), dtype=dtype, device=layout.device)
+        basis = zeros_with_aligned_rows(rank, layout.total, dtype, layout.device)
         for p, start, numel in zip(params, layout.offsets, layout.numels):
             if "eigenvectors" in self.state[p]:
                 basis[:, start : start + numel].copy_(self.state[p]["eigenvectors"].reshape(rank, numel))

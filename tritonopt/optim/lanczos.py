@@ -37,6 +37,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tritonopt._validation import check_int
+from tritonopt.optim._blocks import zeros_with_aligned_rows
 from tritonopt.ops import gram_schmidt_project
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
@@ -106,7 +107,7 @@ def lanczos_loop(
     Raises:
         FloatingPointError: a Hessian-vector product or the residual norm is not finite.
     """
-    basis = torch.zeros((num_iters, shard_len), dtype=dtype, device=device)
+    basis = zeros_with_aligned_rows(num_iters, shard_len, dtype, device)
     diagonal = torch.zeros(num_iters, dtype=torch.float64, device=device)  # B[i, i], read once at the end
     off_diagonal: list[float] = []
     padded = max(n, shard_start + shard_len)
