@@ -184,14 +184,16 @@ def _model_launches(kernels: dict, model_names: list[str]) -> list[_Launch]:
             k = kept_per_block(model.density, None, model.block_size)
             m = model.ring_m
             label(f"{model_name} ring blocks={num_blocks} m={m} k={k}")
-            indices = empty(num_blocks, m, k, dtype=torch.int32)
-            for values_dtype in (torch.float32, torch.bfloat16):
-                values = empty(num_blocks, m, k, dtype=values_dtype)
-                sparse_ring.sparse_sp_triton(indices, values, empty(num_blocks, model.block_size))
-                sparse_ring.sparse_lcg_triton(indices, values, empty(m), model.block_size)
-                sparse_ring.sparse_ring_insert_triton(
-                    indices, values, 1, empty(num_blocks, k, dtype=torch.int32), empty(num_blocks, k)
-                )
+            # int16 positions are what the optimizers store for blocks up to 32768; int32 above.
+            for index_dtype in (torch.int16, torch.int32):
+                indices = empty(num_blocks, m, k, dtype=index_dtype)
+                for values_dtype in (torch.float32, torch.bfloat16):
+                    values = empty(num_blocks, m, k, dtype=values_dtype)
+                    sparse_ring.sparse_sp_triton(indices, values, empty(num_blocks, model.block_size))
+                    sparse_ring.sparse_lcg_triton(indices, values, empty(m), model.block_size)
+                    sparse_ring.sparse_ring_insert_triton(
+                        indices, values, 1, empty(num_blocks, k, dtype=index_dtype), empty(num_blocks, k)
+                    )
 
             for layer in dict.fromkeys(model.layers):
                 g, a, rows = layer.g, layer.a, layer.rows
