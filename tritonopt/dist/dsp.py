@@ -66,7 +66,7 @@ from torch import nn
 
 from tritonopt._runtime import nvtx_range
 from tritonopt.dist._agreement import check_ranks_agree
-from tritonopt.dist._collective_guard import CollectiveFailure, group_timeout, resolve_timeout
+from tritonopt.dist._collective_guard import CollectiveFailure, GuardedCommunicator, group_timeout, resolve_timeout
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.dsp_core import (
     BN_POLICIES,
@@ -172,7 +172,8 @@ class DSPStage:
         rows = self._agree([staleness if problem is None else -1], problem)
         check_ranks_agree(
             "DSPStage", {"flush": flush, "DSP stages built on these ranks before this one": instance},
-            comm=self.communicator, group=group, device=self._setup_device,
+            comm=GuardedCommunicator(self.communicator, layer="DSPStage", timeout=self.timeout), group=group,
+            device=self._setup_device,
         )
         # Tags of their own: messages still in flight for this stage (streaming) are never taken
         # by another stage on the same ranks (gloo matches tags; NCCL ignores them, so there two
