@@ -44,9 +44,12 @@ Each rank runs in a session of its own, so that on a shared machine with the
 kernel's autogroup scheduling the two ranks compete for CPU as two devices,
 not as one.
 
-Claims checked (the script exits with status 1 if one fails; ``--smoke`` only
-checks the plumbing):
+Claims checked (each printed PASS or FAIL; the script exits with status 1 if
+one fails; ``--smoke`` runs a few batches and checks only claim 0, which a few
+batches decide):
 
+0. BP-K ends part A with BP's weights, bit for bit (the DSP loop at staleness 0
+   is back-propagation, only split over two ranks);
 1. every DSP configuration has at least 1.3x the throughput of BP-K (median
    epoch time);
 2. DSP at m = 1 and m = 2 ends close to BP's test accuracy: at most the
@@ -61,16 +64,21 @@ checks the plumbing):
    slowed independently, each pipeline loses about ``p * pct`` of the time of
    its critical path, which DSP shortens but does not remove.
 
-Outputs (``--out``, default ``perf/results/dsp/``): ``dsp_runs.csv`` (every
-timed run), ``dsp_summary.csv`` (one row per mode and level), ``dsp_summary.md``
-(the tables and the claims) and ``dsp.png``.
+Outputs (``--out``, default ``perf/results/dsp/``; with ``--smoke``
+``perf/results/local/smoke/dsp/``): ``dsp_runs.csv`` (every timed run),
+``dsp_summary.csv`` (one row per mode and level), ``dsp_summary.md`` (the tables
+and the claims) and ``dsp.png``.
 
-    python perf/dsp_experiment.py [--smoke] [--epochs 4] [--straggler-reps 3] [--out DIR]
+    python -m perf.dsp_experiment [--smoke] [--epochs 4] [--straggler-reps 3] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__" and not __package__:  # python perf/dsp_experiment.py
+    import _as_module
+
+    _as_module.run(__file__)
+
 import io
 import math
 import os
@@ -81,19 +89,18 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from perf import _harness as harness
+from tritonopt.dist import DSPStage, split_stages
 
-from tritonopt.dist import DSPStage, split_stages  # noqa: E402
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "dsp"
+NAME = "dsp"
+DEFAULT_OUT = harness.RESULTS_DIR / NAME
 WORLD = 2
 BP, BPK, GPIPE = "BP (1 process)", "BP-K", "GPipe"
 SPEEDUP_CLAIM = 1.3
@@ -448,39 +455,38 @@ def summarise(setup: Setup, runs: list[dict], per_rank: list[dict]) -> dict:
     return summary
 
 
-def claims(setup: Setup, summary: dict) -> list[tuple[str, bool, str]]:
-    checks = []
+def same_weights(per_rank: list[dict], name: str) -> bool:
+    """Whether mode ``name``'s stages (both ranks) hold exactly BP's weights after part A."""
+    whole = per_rank[0]["states"][BP]
+    split = {**per_rank[0]["states"][name], **per_rank[1]["states"][name]}
+    return split.keys() == whole.keys() and all(torch.equal(split[key], whole[key]) for key in whole)
+
+
+def claims(setup: Setup, summary: dict, per_rank: list[dict]) -> list[harness.Claim]:
+    checks = [harness.Claim("BP-K ends with BP's weights, bit for bit", same_weights(per_rank, BPK),
+                            smoke_scale=True)]
     bpk = summary["throughput"][BPK]["seconds"]
     for m in setup.staleness:
         speedup = bpk / summary["throughput"][dsp_name(m)]["seconds"]
-        checks.append((f"{dsp_name(m)} has >= {SPEEDUP_CLAIM}x the throughput of BP-K", speedup >= SPEEDUP_CLAIM,
-                       f"{speedup:.2f}x"))
+        checks.append(harness.Claim(f"{dsp_name(m)} has >= {SPEEDUP_CLAIM}x the throughput of BP-K",
+                                    speedup >= SPEEDUP_CLAIM, f"{speedup:.2f}x"))
     bp = summary["accuracy"][BP]["test_accuracy"]
     tolerance = PAPER_LARGEST_GAP + 2 * math.sqrt(2 * bp * (1 - bp) / setup.test_size)
     for m in setup.accuracy_staleness:
         acc = summary["accuracy"][dsp_name(m)]["test_accuracy"]
-        checks.append((f"{dsp_name(m)} test accuracy at most {100 * tolerance:.1f} points below BP's",
-                       acc >= bp - tolerance, f"{100 * acc:.1f} % vs BP {100 * bp:.1f} %"))
+        checks.append(harness.Claim(f"{dsp_name(m)} test accuracy at most {100 * tolerance:.1f} points below BP's",
+                                    acc >= bp - tolerance, f"{100 * acc:.1f} % vs BP {100 * bp:.1f} %"))
     for level in setup.straggler_levels[1:]:
         bpk_added = summary["stragglers"][(BPK, level)]["added_seconds"]
         added = {m: summary["stragglers"][(dsp_name(m), level)]["added_seconds"] for m in setup.straggler_staleness}
         best = min(added, key=added.get)
-        checks.append((f"+{level:.0%} stragglers add fewer seconds to DSP (best queue, m={best}) than to BP-K",
-                       added[best] < bpk_added, f"{added[best]:+.2f} s vs {bpk_added:+.2f} s"))
+        checks.append(harness.Claim(
+            f"+{level:.0%} stragglers add fewer seconds to DSP (best queue, m={best}) than to BP-K",
+            added[best] < bpk_added, f"{added[best]:+.2f} s vs {bpk_added:+.2f} s"))
     return checks
 
 
 # --------------------------------------------------------------------------- outputs
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    import csv
-
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def markdown(setup: Setup, summary: dict, checks, command: str, seconds: float, runs: list[dict]) -> str:
@@ -527,19 +533,19 @@ def markdown(setup: Setup, summary: dict, checks, command: str, seconds: float, 
             cells.append(f"{s['seconds']:.2f} s [{runs_text}]" if level == 0 else
                          f"{s['seconds']:.2f} s, {s['added_seconds']:+.2f} s ({s['slowdown']:+.0%}) [{runs_text}]")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    if checks:
-        lines += ["", "Claims:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {text} ({detail})" for text, ok, detail in checks]
-    else:
-        lines += ["", "Smoke run: claims not checked."]
+    if not checks:
+        return "\n".join(lines) + "\n"
+    lines += ["", "Claims:", ""]
+    for claim in checks:
+        verdict = "not checked (smoke run)" if setup.smoke and not claim.smoke_scale else (
+            "PASS" if claim.holds else "FAIL")
+        lines.append(f"- {verdict}: {claim.text}" + (f" ({claim.detail})" if claim.detail else ""))
     return "\n".join(lines) + "\n"
 
 
-def plot(setup: Setup, summary: dict, path: Path) -> None:
+def plot(setup: Setup, summary: dict, path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = harness.pyplot()
     except ImportError:
         print("matplotlib is not installed: no plot written")
         return
@@ -569,67 +575,67 @@ def plot(setup: Setup, summary: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description="DSP's claims at CPU scale on 2 gloo processes: throughput vs BP-K and GPipe, "
-        "accuracy vs BP, robustness to random stragglers.",
+def parse_args(argv):
+    parser = harness.script_parser(
+        __doc__.split("\n\n")[0], default_out="perf/results/dsp/",
+        smoke_help="seconds: 256 training images, 8 channels, 1 epoch, 4 straggler batches, one repetition; "
+        "checks the plumbing and the BP-K reproduction only",
     )
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: 256 training images, 8 channels, 1 epoch, 4 straggler batches, one "
-                        "repetition; checks the plumbing, not the claims")
-    parser.add_argument("--epochs", type=int, default=4, help="epochs of part A (>= 3 for a median of 3 or more)")
-    parser.add_argument("--straggler-reps", type=int, default=3, help="repetitions of part B")
-    parser.add_argument("--straggler-steps", type=int, default=32, help="batches per straggler run")
+    parser.add_argument("--epochs", type=harness.positive_int, default=4,
+                        help="epochs of part A (>= 3 for a median of 3 or more; default: %(default)s)")
+    parser.add_argument("--straggler-reps", type=harness.positive_int, default=3,
+                        help="repetitions of part B (default: %(default)s)")
+    parser.add_argument("--straggler-steps", type=harness.positive_int, default=32,
+                        help="batches per straggler run (default: %(default)s)")
     parser.add_argument("--split", type=int, default=2,
                         help="residual units on rank 0 for BP-K and DSP (1..5; GPipe's cut stays after unit 3)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default %(default)s)")
     args = parser.parse_args(argv)
+    if not 1 <= args.split < Setup.units:
+        parser.error(f"--split must be in 1..{Setup.units - 1}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.smoke:
         setup = Setup(train_size=256, test_size=128, channels=8, epochs=1, straggler_steps=4, straggler_reps=1,
                       straggler_levels=(0.0, 1.0), split=args.split, smoke=True)
     else:
-        if args.epochs < 1 or args.straggler_reps < 1 or args.straggler_steps < 1:
-            parser.error("--epochs, --straggler-reps and --straggler-steps must be >= 1")
         setup = Setup(epochs=args.epochs, straggler_reps=args.straggler_reps, straggler_steps=args.straggler_steps,
                       split=args.split)
-    if not 1 <= setup.split < setup.units:
-        parser.error(f"--split must be in 1..{setup.units - 1}")
+    out_dir = harness.output_dir(args.out, DEFAULT_OUT, smoke=args.smoke, name=NAME)
     os.environ.setdefault("TRITONOPT_BACKEND", "reference")
     torch.set_num_threads(1)
     began = time.perf_counter()
     per_rank = run_ranks(setup)
     runs = merge_runs(per_rank)
     summary = summarise(setup, runs, per_rank)
-    checks = [] if setup.smoke else claims(setup, summary)
-    command = "python perf/dsp_experiment.py" + (" --smoke" if args.smoke else "") + "".join(
+    checks = claims(setup, summary, per_rank)
+    command = "python -m perf.dsp_experiment" + (" --smoke" if args.smoke else "") + "".join(
         f" --{flag} {value}" for flag, value, default in [
             ("epochs", args.epochs, 4), ("straggler-reps", args.straggler_reps, 3),
             ("straggler-steps", args.straggler_steps, 32), ("split", args.split, 2)]
         if value != default and not args.smoke)
-    text = markdown(setup, summary, checks, command, time.perf_counter() - began, runs)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "dsp_runs.csv", runs)
+    seconds = time.perf_counter() - began
+    text = markdown(setup, summary, checks, command, seconds, runs)
     summary_rows = [
-        {"mode": name, "level": 0.0, "median_seconds": summary["throughput"][name]["seconds"],
+        {"part": "A", "mode": name, "level": 0.0, "median_seconds": summary["throughput"][name]["seconds"],
          "samples_per_s": summary["throughput"][name]["samples_per_s"],
          "test_accuracy": summary["accuracy"][name]["test_accuracy"],
-         "final_train_loss": summary["accuracy"][name]["final_train_loss"], "part": "A"}
+         "final_train_loss": summary["accuracy"][name]["final_train_loss"]}
         for name in setup.modes
     ] + [
-        {"mode": name, "level": level, "median_seconds": s["seconds"], "added_seconds": s["added_seconds"],
-         "slowdown": s["slowdown"], "part": "B"}
+        {"part": "B", "mode": name, "level": level, "median_seconds": s["seconds"], "added_seconds": s["added_seconds"],
+         "slowdown": s["slowdown"]}
         for (name, level), s in summary["stragglers"].items()
     ]
-    write_csv(args.out / "dsp_summary.csv", summary_rows)
-    (args.out / "dsp_summary.md").write_text(text)
-    print(text)
-    plot(setup, summary, args.out / "dsp.png")
-    print(f"wrote {args.out}/dsp_runs.csv, dsp_summary.csv, dsp_summary.md")
-    failed = [text for text, ok, _ in checks if not ok]
-    if failed:
-        print(f"{len(failed)} claim(s) do not hold: " + "; ".join(failed))
-        return 1
-    return 0
+    written = [harness.write_results(runs, out_dir, "dsp_runs"), harness.write_results(summary_rows, out_dir,
+                                                                                        "dsp_summary")]
+    (out_dir / "dsp_summary.md").write_text(text)
+    print(markdown(setup, summary, [], command, seconds, runs))  # the claims are printed last, with the verdict
+    plot(setup, summary, out_dir / "dsp.png")
+    print("wrote " + ", ".join(str(path) for path in written + [out_dir / "dsp_summary.md"]))
+    return harness.report_claims(checks, smoke=args.smoke)
 
 
 if __name__ == "__main__":

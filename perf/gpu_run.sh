@@ -36,7 +36,7 @@ for phase in "$@"; do
     gpu) run pytest_gpu $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$LOG_DIR/pytest_gpu.xml" ;;
     suite) run pytest_suite $PY -m pytest -q $xdist -p no:cacheprovider --junitxml="$LOG_DIR/pytest_suite.xml" ;;
     bench)
-      for b in ef_topk sparse_ring lowrank kfac lanczos; do
+      for b in ef_topk sparse_ring lowrank kfac lanczos sgd_momentum; do
         run bench_$b $PY -m perf.bench_$b
       done ;;
     autotune) run autotune $PY -m perf.autotune --model resnet18 bert-base ;;

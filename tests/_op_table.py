@@ -147,6 +147,13 @@ def _fosi_step():
                 base="adam", state_a=torch.zeros(n), state_b=torch.zeros(n), lr=0.01)
 
 
+def _sgd_momentum_step():
+    gen = _generator(20)
+    return dict(param=torch.randn(40, generator=gen), grad=torch.randn(40, generator=gen),
+                momentum_buffer=torch.randn(40, generator=gen), lr=0.1, momentum=0.9, weight_decay=1e-4,
+                nesterov=True)
+
+
 def _with(sample: Callable[[], dict], **changes) -> Callable[[], dict]:
     return lambda: {**sample(), **changes}
 
@@ -282,4 +289,31 @@ OPS = [
          lambda call: call.update(g1_velocity=call["newton_scale"], g1_decay=0.5), ValueError,
          "newton_scale and g1_velocity"),
     ]),
+    OpInfo(ops.sgd_momentum_step, _sgd_momentum_step, updated=("param", "momentum_buffer"),
+           empty=_with(_sgd_momentum_step, param=torch.zeros(0), grad=torch.zeros(0), momentum_buffer=torch.zeros(0)),
+           bad=[
+        ("float64 param", dict(param=torch.zeros(40, dtype=torch.float64)), TypeError, "param must be float32"),
+        ("strided param", dict(param=torch.zeros(80)[::2]), ValueError, "param must be contiguous"),
+        ("integer grad", dict(grad=torch.zeros(40, dtype=torch.int64)), TypeError, "grad must be"),
+        ("grad of another shape", dict(grad=torch.zeros(39)), ValueError, "grad must have param's shape"),
+        ("strided grad", dict(grad=torch.zeros(80)[::2]), ValueError, "grad must be contiguous"),
+        ("momentum without its buffer", dict(momentum_buffer=None), ValueError, "momentum_buffer is required"),
+        ("float64 buffer", dict(momentum_buffer=torch.zeros(40, dtype=torch.float64)), TypeError,
+         "momentum_buffer must be float32"),
+        ("buffer of another shape", dict(momentum_buffer=torch.zeros(39)), ValueError, "momentum_buffer must have"),
+        ("lr negative", dict(lr=-1.0), ValueError, "lr"),
+        ("lr NaN", dict(lr=float("nan")), ValueError, "lr"),
+        ("lr a tensor", dict(lr=torch.tensor(0.1)), TypeError, "lr"),
+        ("momentum negative", dict(momentum=-0.5), ValueError, "momentum"),
+        ("weight_decay inf", dict(weight_decay=float("inf")), ValueError, "weight_decay"),
+        ("nesterov with dampening", dict(dampening=0.1), ValueError, "nesterov"),
+        ("nesterov an int", dict(nesterov=1), TypeError, "nesterov"),
+        ("first_step an int", dict(first_step=1), TypeError, "first_step"),
+    ]),
+    OpInfo(ops.sgd_momentum_step, _with(_sgd_momentum_step, grad=torch.randn(40, generator=_generator(21)).bfloat16()),
+           updated=("param", "momentum_buffer"), variant="bfloat16-grad"),
+    OpInfo(ops.sgd_momentum_step, _with(_sgd_momentum_step, momentum_buffer=None, momentum=0.0, nesterov=False),
+           updated=("param",), variant="no-momentum",
+           empty=_with(_sgd_momentum_step, param=torch.zeros(0), grad=torch.zeros(0), momentum_buffer=None,
+                       momentum=0.0, nesterov=False)),
 ]

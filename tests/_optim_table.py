@@ -142,6 +142,16 @@ OPTIMIZERS = [
         bad_group={"density": 2.0},
     ),
     OptimizerInfo(
+        "FlatSGD", ParamsRun,
+        build=_windowed(tritonopt.optim.FlatSGD, lr=0.05, momentum=0.9, weight_decay=0.01),
+        bad_hyperparameters=COMMON_BAD + [
+            (dict(momentum=-0.5), "momentum"), (dict(dampening=math.nan), "dampening"),
+            (dict(weight_decay=-1.0), "weight_decay"), (dict(nesterov=True, dampening=0.1), "nesterov"),
+            (dict(nesterov=1), "nesterov"), (dict(maximize="yes"), "maximize"),
+        ],
+        bad_group={"momentum": -1.0},
+    ),
+    OptimizerInfo(
         "MFAC", ParamsRun,
         build=_windowed(tritonopt.optim.MFAC, lr=0.05, ngrads=3, damp=0.1, momentum=0.5, weight_decay=0.01),
         bad_hyperparameters=WINDOW_BAD + [(dict(damp=0.0), "damp"), (dict(damp=math.inf), "damp")],

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _distributed import _free_port
+from _distributed import _free_port, _to_bytes
 from torch import nn
 
 from tritonopt.dist import DSPConfigurationError, DSPPeerError, DSPSimulator, DSPStage, split_stages
@@ -207,12 +207,6 @@ def two_rank_death(rank, groups, results):
                          group=groups["death"], timeout=60, phase_hook=die).train(cnn_batches())
     )
     return {"error": error, "seconds": time.monotonic() - began}
-
-
-def _to_bytes(value) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
 
 
 def _worker(rank, world, port, results):

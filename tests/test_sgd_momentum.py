@@ -1,9 +1,14 @@
-"""The fused momentum-SGD step: reference == torch.optim.SGD bit for bit, Triton == reference to rounding."""
+"""The fused momentum-SGD step: reference == torch.optim.SGD bit for bit, Triton == reference to rounding.
+
+Bad arguments, meta tensors, empty calls and ``opcheck``: tests/test_op_contract.py (entries in
+tests/_op_table.py).
+"""
 
 import itertools
 
 import pytest
 import torch
+from _helpers import BACKENDS
 from conftest import triton_runs_here
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,10 +16,6 @@ from hypothesis import strategies as st
 import tritonopt
 from tritonopt.ops import sgd_momentum_step
 
-BACKENDS = [
-    "reference",
-    pytest.param("triton", marks=pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")),
-]
 UNIT_ROUNDOFF = 2.0**-24  # float32
 
 OPTIONS = [  # (momentum, dampening, weight_decay, nesterov, maximize)
@@ -130,45 +131,6 @@ def test_without_momentum_the_buffer_is_optional_and_untouched(backend):
     assert torch.equal(buf, torch.full((10,), 7.0))
 
 
-def _bad_calls():
-    w, g, b = torch.zeros(8), torch.ones(8), torch.zeros(8)
-    yield (w.double(), g, b), {}, TypeError, "param must be float32"
-    yield (torch.zeros(8, 2).t(), torch.ones(2, 8), torch.zeros(2, 8)), {}, ValueError, "param must be contiguous"
-    yield (w, g.long(), b), {}, TypeError, "grad must be float32"
-    yield (w, torch.ones(9), b), {}, ValueError, "grad must have param's shape"
-    yield (w, g, None), {}, ValueError, "momentum_buffer is required"
-    yield (w, g, b.double()), {}, TypeError, "momentum_buffer must be float32"
-    yield (w, g, torch.zeros(7)), {}, ValueError, "momentum_buffer must have"
-    yield (w, g, w), {}, ValueError, "param and momentum_buffer must not share memory"
-    yield (w, w, b), {}, ValueError, "param and grad must not share memory"
-    yield (w, g, b), {"lr": -1.0}, ValueError, "lr"
-    yield (w, g, b), {"lr": float("nan")}, ValueError, "lr"
-    yield (w, g, b), {"momentum": -0.5}, ValueError, "momentum"
-    yield (w, g, b), {"nesterov": True, "dampening": 0.1}, ValueError, "nesterov"
-    yield (w, g, b), {"first_step": 1}, TypeError, "first_step must be a bool"
-    yield (w.clone().requires_grad_(), g, b), {}, ValueError, "must not require grad"
-
-
-@pytest.mark.parametrize("args, overrides, error, message", list(_bad_calls()))
-def test_bad_arguments_are_rejected_before_anything_changes(args, overrides, error, message):
-    kwargs = dict(lr=0.1, momentum=0.9) | overrides
-    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    with pytest.raises(error, match=message):
-        sgd_momentum_step(*args, **kwargs)
-    for a, b in zip(args, before):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
-    gen = torch.Generator().manual_seed(3)
-    w, g, b = torch.randn(100, generator=gen), torch.randn(100, generator=gen), torch.randn(100, generator=gen)
-    with tritonopt.use_backend(backend):
-        torch.library.opcheck(torch.ops.tritonopt.sgd_momentum_step, (w, g, b, 0.1, 0.9, 0.0, 1e-4, True, False, False))
-        torch.library.opcheck(torch.ops.tritonopt.sgd_momentum_step, (w, g, None, 0.1, 0.0, 0.0, 0.0, False, False, False))
-
-
 def test_compiles_into_a_graph():
     gen = torch.Generator().manual_seed(4)
     w, g, b = torch.randn(64, generator=gen), torch.randn(64, generator=gen), torch.randn(64, generator=gen)
@@ -182,27 +144,3 @@ def test_compiles_into_a_graph():
     torch._dynamo.reset()
     result = torch.compile(step, backend="aot_eager", fullgraph=True)(w_compiled, g, b_compiled)
     assert torch.equal(result, expected) and torch.equal(b_compiled, b)
-
-
-def test_bench_smoke_writes_results(tmp_path):
-    import csv
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root))
-    env.pop("TRITON_INTERPRET", None)  # the smoke run checks plumbing, not the interpreter
-    result = subprocess.run(
-        [sys.executable, str(root / "perf" / "bench_sgd_momentum.py"), "--smoke", "--out", str(tmp_path)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=120,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    with (tmp_path / "sgd_momentum.csv").open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    assert {"floor"} < {row["provider"] for row in rows}
-    assert all(float(row["ms_p50"]) > 0 for row in rows)
-    if not torch.cuda.is_available():
-        assert "no CUDA device" in output and "triton" not in {row["provider"] for row in rows}

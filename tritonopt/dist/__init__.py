@@ -10,7 +10,6 @@
 ``DSPStage``                one DSP pipeline stage per rank (layer-wise staleness)
 ``simulate_dsp``            the same DSP arithmetic in one process (``DSPSimulator``)
 ``split_stages``            cut a model into the blocks of a pipeline
-``FlatSGD``                 a stage's momentum SGD in one fused op over a flat buffer
 ==========================  =====================================================
 
 Every layer uses ``torch.distributed`` collectives only (NCCL on GPU, gloo on
@@ -24,7 +23,6 @@ from tritonopt.dist.dho2 import DHO2, MRDHO2
 from tritonopt.dist.dsp import DSPConfigurationError, DSPPeerError, DSPStage
 from tritonopt.dist.dsp_sim import DSPSimulator, simulate_dsp
 from tritonopt.dist.dsp_split import split_stages
-from tritonopt.dist.dsp_update import FlatSGD
 from tritonopt.dist.kaisa import KAISAAssignment, KAISACollectiveError, KAISAPreconditioner, Strategy
 from tritonopt.dist.lanczos import distributed_lanczos, reconstruct_columns
 from tritonopt.dist.ssd_sgd import SSDSGD
@@ -36,7 +34,6 @@ __all__ = [
     "DSPPeerError",
     "DSPSimulator",
     "DSPStage",
-    "FlatSGD",
     "KAISAAssignment",
     "KAISACollectiveError",
     "KAISAPreconditioner",

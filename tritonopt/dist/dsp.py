@@ -30,14 +30,18 @@ ranks (on gloo; NCCL ignores tags, so there give each such stage its own group).
 each kind is posted before the current one is used (activations into a fresh
 buffer, which the input queue keeps; gradients into a ring of two buffers).
 Shapes and dtypes are found once, by a dry run of every block on the first
-batch's shape, passed up the pipeline (label ``"setup"``). Start-up (label
-``"setup"``): one all-gather of each rank's configuration, one of the batch count
-per :meth:`DSPStage.train` call.
+batch's shape, passed up the pipeline (label ``"setup"``). Start-up: one
+all-gather of each rank's staleness and of whether its arguments were valid
+(label ``"setup"``), then :func:`~tritonopt.dist._agreement.check_ranks_agree`
+on the flush mode and the number of stages built before on these ranks (label
+``"config_check"``, 8 bytes per setting); one all-gather of the batch count per
+:meth:`DSPStage.train` call (``"setup"``).
 
 Failures. Every wait carries ``timeout`` (default: the group's own timeout), so
 a rank that dies or stalls surfaces on its neighbours as :class:`DSPPeerError`
-within it (a rank that exits is usually noticed at once, by the closed
-connection). Configuration errors found at start-up are raised on every rank.
+(a :class:`~tritonopt.dist.CollectiveFailure`) within it (a rank that exits is
+usually noticed at once, by the closed connection). Configuration errors found
+at start-up are raised on every rank.
 
 NVTX ranges: ``tritonopt/dsp/forward``, ``/backward`` and ``/forward_backward`` per
 compute phase (``/recompute``, ``/autograd`` and ``/update`` inside), ``/send``,
@@ -61,6 +65,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tritonopt._runtime import nvtx_range
+from tritonopt.dist._agreement import check_ranks_agree
+from tritonopt.dist._collective_guard import CollectiveFailure, GuardedCommunicator, group_timeout, resolve_timeout
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.dsp_core import (
     BN_POLICIES,
@@ -82,26 +88,12 @@ _TAGS_PER_STAGE = 3  # activation, gradient, shape
 _STAGES_BUILT: dict[tuple[int, ...], int] = {}
 
 
-class DSPPeerError(RuntimeError):
+class DSPPeerError(CollectiveFailure):
     """A neighbouring stage died, stalled past the timeout, or the transport failed."""
 
 
 class DSPConfigurationError(ValueError):
     """Another stage rejected its configuration or its batches at start-up."""
-
-
-def _as_timeout(timeout) -> Optional[datetime.timedelta]:
-    if timeout is None:
-        return None
-    if isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"timeout must be None, seconds or a datetime.timedelta, got {type(timeout).__name__}")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"timeout must be a positive, finite duration, got {timeout!r}")
-    return datetime.timedelta(seconds=seconds)
 
 
 def _spec(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
@@ -167,33 +159,27 @@ class DSPStage:
             if dist.get_backend(group) == "nccl"
             else torch.device("cpu")
         )
-        self.timeout = None
+        self.timeout = group_timeout(group)
         problem: Optional[Exception] = None
         try:
-            self.timeout = _as_timeout(timeout)
+            self.timeout = resolve_timeout(timeout, group)
             self._check_arguments(module, optimizer, staleness, loss_fn, bn_policy, flush, phase_hook)
         except (TypeError, ValueError) as exc:
             problem = exc
         members = tuple(self._global_rank(k) for k in range(self.num_stages))
         instance = _STAGES_BUILT.get(members, 0)
         _STAGES_BUILT[members] = instance + 1
-        rows = self._agree(
-            [staleness if problem is None else -1, FLUSH_MODES.index(flush) if problem is None else -1, instance],
-            problem,
+        rows = self._agree([staleness if problem is None else -1], problem)
+        check_ranks_agree(
+            "DSPStage", {"flush": flush, "DSP stages built on these ranks before this one": instance},
+            comm=GuardedCommunicator(self.communicator, layer="DSPStage", timeout=self.timeout), group=group,
+            device=self._setup_device,
         )
-        if len({row[2] for row in rows}) > 1:
-            raise RuntimeError(
-                "the ranks built different numbers of DSP stages on these ranks before this one "
-                f"({[row[2] for row in rows]}); build them in the same order everywhere"
-            )
         # Tags of their own: messages still in flight for this stage (streaming) are never taken
         # by another stage on the same ranks (gloo matches tags; NCCL ignores them, so there two
         # stages that stream at the same time need groups of their own).
         self._tags = {kind: _TAGS_PER_STAGE * instance + i for i, kind in enumerate(("activation", "gradient", "shape"))}
         self.staleness_vector = check_staleness([row[0] for row in rows])
-        flushes = {FLUSH_MODES[row[1]] for row in rows}
-        if len(flushes) > 1:
-            raise ValueError(f"every stage must use the same flush mode, got {sorted(flushes)}")
 
         self.staleness = staleness
         self.flush_mode = flush
@@ -246,10 +232,7 @@ class DSPStage:
 
     def _wait(self, work, what: str) -> None:
         try:
-            if self.timeout is None:
-                work.wait()
-            else:
-                work.wait(self.timeout)
+            work.wait(self.timeout)
         except Exception as exc:  # the backend's error type varies (RuntimeError, DistBackendError)
             raise DSPPeerError(f"DSP stage {self.stage}: {what} failed: {exc}") from exc
 

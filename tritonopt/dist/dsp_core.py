@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -187,6 +187,7 @@ class _Queued:
 # --------------------------------------------------------------------------- the stage
 
 
+@dataclass(eq=False)
 class StageCompute:
     """One stage's block, optimizer and input queue; no communication.
 
@@ -208,32 +209,24 @@ class StageCompute:
             (``"forward"``, ``"backward"``, ``"forward_backward"``), host wall time.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        optimizer,
-        staleness: int,
-        *,
-        is_first: bool,
-        is_last: bool,
-        loss_fn: Optional[Callable] = None,
-        bn_policy: str = "forward",
-        record_events: bool = False,
-        phase_hook: Optional[PhaseHook] = None,
-    ):
-        self.module = module
-        self.optimizer = optimizer
-        self.staleness = staleness
-        self.is_first = is_first
-        self.is_last = is_last
-        self.loss_fn = loss_fn
-        self.bn_policy = bn_policy
-        self.phase_hook = phase_hook
-        self.version = 0
-        self.events: Optional[list[tuple[str, int, int]]] = [] if record_events else None
-        self._queue: deque[_Queued] = deque()
-        self.peak_queue_bytes = 0
-        self.peak_queue_entries = 0
+    module: nn.Module
+    optimizer: object
+    staleness: int
+    _: KW_ONLY
+    is_first: bool
+    is_last: bool
+    loss_fn: Optional[Callable] = None
+    bn_policy: str = "forward"
+    record_events: InitVar[bool] = False
+    phase_hook: Optional[PhaseHook] = None
+    version: int = field(default=0, init=False)
+    events: Optional[list[tuple[str, int, int]]] = field(default=None, init=False)
+    peak_queue_bytes: int = field(default=0, init=False)
+    peak_queue_entries: int = field(default=0, init=False)
+    _queue: deque = field(default_factory=deque, init=False, repr=False)
+
+    def __post_init__(self, record_events: bool) -> None:
+        self.events = [] if record_events else None
 
     # ------------------------------------------------------------ bookkeeping
 

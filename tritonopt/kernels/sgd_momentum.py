@@ -29,7 +29,6 @@ rates are runtime scalars, so a learning-rate schedule never recompiles.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 
@@ -95,16 +94,7 @@ def _device_guard(t: torch.Tensor):
 
 
 def sgd_momentum_step_triton(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    momentum_buffer: Optional[torch.Tensor],
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    first_step: bool,
+    param, grad, momentum_buffer, *, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step
 ) -> None:
     """Launch the fused update; arguments already validated (see ``tritonopt._ops.sgd_momentum``)."""
     n = param.numel()
@@ -122,18 +112,10 @@ def sgd_momentum_step_triton(
 
 
 def sgd_momentum_step_reference(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    momentum_buffer: Optional[torch.Tensor],
-    lr: float,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    first_step: bool,
+    param, grad, momentum_buffer, *, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step
 ) -> None:
-    """Plain PyTorch, the operations of ``torch.optim.SGD``'s single-tensor step in its order."""
+    """Plain PyTorch, the operations of ``torch.optim.SGD``'s single-tensor step in its order;
+    same arguments as :func:`sgd_momentum_step_triton`."""
     d = grad.to(torch.float32)
     if maximize:
         d = -d

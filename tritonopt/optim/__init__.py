@@ -2,6 +2,7 @@
 
 from tritonopt.optim import functional
 from tritonopt.optim._accounting import optimizer_state_bytes
+from tritonopt.optim.flat_sgd import FlatSGD
 from tritonopt.optim.fosi import FOSI
 from tritonopt.optim.ggt import GGT, SparseGGT
 from tritonopt.optim.kfac import KFACPreconditioner, UnsupportedLayerError
@@ -11,6 +12,7 @@ from tritonopt.optim.sparse_adagrad import SparseAdaGrad
 
 __all__ = [
     "FOSI",
+    "FlatSGD",
     "GGT",
     "KFACPreconditioner",
     "LowRankMFAC",

@@ -22,6 +22,7 @@ import torch
 
 from tritonopt.ops import ef_topk
 from tritonopt.ops import fosi_step
+from tritonopt.ops import sgd_momentum_step
 from tritonopt.optim._blocks import kept_per_block
 from tritonopt.optim._window_algebra import ggt_weights, mfac_coefficients, mfac_weights, update_gram
 from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statistic, kfac_eigen_data,
@@ -31,6 +32,7 @@ from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statist
 __all__ = [
     "all_finite",
     "apply_decoupled_update",
+    "flat_sgd",
     "ggt_weights",
     "heavy_ball_momentum",
     "kept_per_block",
@@ -105,6 +107,32 @@ def apply_decoupled_update(
             if weight_decay:
                 p_wide.mul_(1 - lr * weight_decay)
             p.copy_(p_wide.sub_(update, alpha=lr))
+
+
+def flat_sgd(
+    weights: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: Optional[torch.Tensor],
+    *,
+    work: Optional[torch.Tensor] = None,
+    **hyperparameters,
+) -> None:
+    """``torch.optim.SGD``'s step of one flat buffer, in place, by :func:`tritonopt.ops.sgd_momentum_step`.
+
+    ``weights`` (float32, float16 or bfloat16) and ``grad`` (its shape, float32,
+    float16 or bfloat16) are contiguous; ``momentum_buffer`` is float32 of that
+    shape (or None without momentum); ``hyperparameters`` are the op's (``lr``,
+    ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``, ``maximize``,
+    ``first_step``). float32 weights are updated by the fused op in one pass;
+    narrower ones are copied into ``work`` (float32, allocated when None),
+    stepped there and rounded once.
+    """
+    if weights.dtype == torch.float32:
+        sgd_momentum_step(weights, grad, momentum_buffer, **hyperparameters)
+        return
+    wide = weights.to(torch.float32) if work is None else work.copy_(weights)
+    sgd_momentum_step(wide, grad, momentum_buffer, **hyperparameters)
+    weights.copy_(wide)
 
 
 # --------------------------------------------------------------------------- FOSI

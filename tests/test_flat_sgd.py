@@ -1,18 +1,18 @@
-"""FlatSGD: torch.optim.SGD's steps over one flat buffer, on both backends, and as a DSP stage optimizer."""
+"""FlatSGD: torch.optim.SGD's steps over one flat buffer per group, on both backends, and as a DSP stage optimizer.
+
+Hyperparameter checks, closures, parameter groups, the non-finite policy, copies and resumed
+checkpoints: tests/test_optimizer_contract.py (entry in tests/_optim_table.py).
+"""
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from _helpers import BACKENDS, flat, gradient_stream, make_params, set_grads
 from torch import nn
 
 import tritonopt
 from tritonopt.dist import simulate_dsp, split_stages
-from tritonopt.dist.dsp_update import FlatSGD
+from tritonopt.optim import FlatSGD
 
-BACKENDS = [
-    "reference",
-    pytest.param("triton", marks=pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")),
-]
 UNIT_ROUNDOFF = 2.0**-24
 SETTINGS = [
     dict(lr=0.1),
@@ -88,17 +88,34 @@ def test_flat_steps_match_torch_sgd_over_a_run(backend, settings):
         assert ((tp.detach().double() - fp.detach().double()).abs() <= bound).all()
 
 
-def test_parameters_become_views_of_one_buffer_and_keep_their_values():
+def storage_offsets(tensors) -> list[tuple[int, int]]:
+    """(storage address, element offset) of each tensor."""
+    return [(t.untyped_storage().data_ptr(), t.storage_offset()) for t in tensors]
+
+
+def assert_laid_end_to_end(tensors):
+    """One storage, each tensor starting where the previous one ends."""
+    places = storage_offsets(tensors)
+    assert len({storage for storage, _ in places}) == 1
+    expected = 0
+    for t, (_, offset) in zip(tensors, places):
+        assert offset == expected and t.is_contiguous()
+        expected += t.numel()
+
+
+def test_parameters_gradients_and_momentum_are_views_of_one_buffer_each():
     model = make_model()
-    before = [p.detach().clone() for p in model.parameters()]
-    opt = FlatSGD(model.parameters(), lr=0.1, momentum=0.9)
-    flat = opt._flat
-    for p, w in zip(model.parameters(), before):
-        assert torch.equal(p, w)
-        assert flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() * 4
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    opt = FlatSGD(params, lr=0.1, momentum=0.9)
+    assert all(torch.equal(p, w) for p, w in zip(params, before))  # the values moved with them
+    assert_laid_end_to_end(params)
+    assert_laid_end_to_end([p.grad for p in params])
     x, y = batches(1)[0]
     one_step(model, opt, x, y)
-    assert opt.state[next(iter(model.parameters()))]["momentum_buffer"].shape == flat.shape
+    assert_laid_end_to_end([opt.state[p]["momentum_buffer"] for p in params])
+    assert all(opt.state[p]["momentum_buffer"].shape == p.shape for p in params)
+    assert opt.state[params[0]]["step"] == 1
 
 
 def test_replaced_and_cleared_gradients_are_gathered():
@@ -109,56 +126,75 @@ def test_replaced_and_cleared_gradients_are_gathered():
     opt.step()
     assert torch.equal(params[0].detach(), torch.zeros(3))
     assert torch.equal(params[1].detach(), torch.ones(2))
-    assert params[0].grad.data_ptr() == opt._flat_grad.data_ptr()  # re-attached
+    assert_laid_end_to_end([p.grad for p in params])  # re-attached
+    params[0].grad = torch.ones(3)
+    opt.zero_grad()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in params)
+    assert_laid_end_to_end([p.grad for p in params])
 
 
-def test_state_dict_round_trip_resumes_exactly():
-    data = batches(6)
-    straight = make_model()
-    opt = FlatSGD(straight.parameters(), lr=0.05, momentum=0.9)
-    for x, y in data:
-        one_step(straight, opt, x, y)
-    resumed = make_model()
-    first = FlatSGD(resumed.parameters(), lr=0.05, momentum=0.9)
-    for x, y in data[:3]:
-        one_step(resumed, first, x, y)
-    saved = {"model": resumed.state_dict(), "opt": first.state_dict()}
-    again = make_model()
-    second = FlatSGD(again.parameters(), lr=0.05, momentum=0.9)
-    again.load_state_dict(saved["model"])
-    second.load_state_dict(saved["opt"])
-    for x, y in data[3:]:
-        one_step(again, second, x, y)
-    for a, b in zip(straight.parameters(), again.parameters()):
-        assert torch.equal(a, b)
+def test_replaced_parameter_data_is_moved_into_a_fresh_buffer():
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))]
+    opt = FlatSGD(params, lr=0.5, momentum=0.5)
+    set_grads(params, [torch.ones(3), torch.ones(2)])
+    opt.step()
+    params[1].data = torch.full((2,), 4.0)  # e.g. a module moved or reloaded by assignment
+    set_grads(params, [torch.ones(3), torch.ones(2)])
+    opt.step()
+    assert torch.equal(params[1].detach(), torch.full((2,), 4.0 - 0.5 * 1.5))  # buf = 0.5 * 1 + 1
+    assert_laid_end_to_end(params)
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, message",
-    [
-        (dict(lr=-0.1), ValueError, "lr"),
-        (dict(lr=0.1, momentum=float("nan")), ValueError, "momentum"),
-        (dict(lr=0.1, nesterov=True), ValueError, "nesterov"),
-    ],
-)
-def test_bad_hyperparameters_are_rejected(kwargs, error, message):
-    with pytest.raises(error, match=message):
-        FlatSGD(make_model().parameters(), **kwargs)
+def test_each_group_is_its_own_flat_buffer_with_its_own_hyperparameters():
+    stream = gradient_stream(steps=4)
+    settings = [dict(lr=0.1, momentum=0.9, nesterov=True), dict(lr=0.02, weight_decay=0.1, maximize=True)]
+    together = make_params()
+    grouped = FlatSGD([{"params": together[:2], **settings[0]}, {"params": together[2:], **settings[1]}], lr=1.0)
+    apart = make_params()
+    separate = [FlatSGD(apart[:2], **settings[0]), FlatSGD(apart[2:], **settings[1])]
+    for grads in stream:
+        set_grads(together, grads)
+        grouped.step()
+        set_grads(apart, grads)
+        for opt in separate:
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(together, apart))
+    assert_laid_end_to_end(together[:2])
+    assert_laid_end_to_end(together[2:])
+    assert together[1].untyped_storage().data_ptr() != together[2].untyped_storage().data_ptr()
 
 
-def test_bad_parameters_are_rejected_and_left_alone():
-    with pytest.raises(TypeError, match="float32"):
-        FlatSGD([nn.Parameter(torch.ones(2, dtype=torch.float64))], lr=0.1)
-    with pytest.raises(ValueError, match="empty"):
-        FlatSGD([], lr=0.1)
-    with pytest.raises(TypeError, match="one parameter group"):
-        FlatSGD([{"params": [nn.Parameter(torch.ones(2))]}], lr=0.1)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_parameters_are_stepped_in_float32_and_rounded_once(backend, dtype):
+    """The op on a float32 copy of the flat parameters, rounded to their dtype after each step."""
+    params = make_params(dtype=dtype)
+    stream = gradient_stream(steps=3, dtype=dtype)
+    wide = flat(make_params(dtype=dtype)).detach().float()
+    buffer = torch.zeros_like(wide)
+    opt = FlatSGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2)
+    with tritonopt.use_backend(backend):
+        for step, grads in enumerate(stream):
+            set_grads(params, grads)
+            opt.step()
+            tritonopt.ops.sgd_momentum_step(wide, flat(grads), buffer, lr=0.1, momentum=0.9, weight_decay=1e-2,
+                                            first_step=step == 0)
+            wide.copy_(wide.to(dtype))  # the parameters hold the rounded values between steps
+    assert all(p.dtype == dtype for p in params)
+    assert torch.equal(flat(params).detach(), wide.to(dtype))
+    buffers = [opt.state[p]["momentum_buffer"] for p in params]
+    assert all(b.dtype == torch.float32 for b in buffers) and torch.equal(flat(buffers), buffer)
+
+
+def test_parameters_it_cannot_step_are_refused_and_left_alone():
     p = nn.Parameter(torch.ones(2))
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        FlatSGD([nn.Parameter(torch.ones(2, dtype=torch.float64))], lr=0.1)
+    with pytest.raises(TypeError, match="one dtype"):
+        FlatSGD([p, nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], lr=0.1)
     with pytest.raises(ValueError, match="twice"):
         FlatSGD([p, p], lr=0.1)
-    opt = FlatSGD([p], lr=0.1)
-    with pytest.raises(ValueError, match="cannot take another"):
-        opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+    assert torch.equal(p.detach(), torch.ones(2)) and p.grad is None
 
 
 def test_as_the_stage_optimizer_of_a_dsp_pipeline():

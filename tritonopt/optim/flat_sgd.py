@@ -1,0 +1,215 @@
+"""``torch.optim.SGD`` over parameters that live in one flat buffer per group: one fused op per step.
+
+Every DSP stage updates its block right after its own backward (Xu, Huo and
+Huang, CVPR 2020, sec. 3.3), with momentum SGD in the paper's experiments
+(sec. 5); :class:`FlatSGD` is that update, usable with any model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from tritonopt._runtime import nvtx_range
+from tritonopt._validation import check_bool, check_float
+from tritonopt.optim._blocks import BlockLayout
+from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim.functional import all_finite, flat_sgd
+
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_STEPS = 2**62
+_HYPERPARAMETERS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+
+
+class _FlatGroup(PackedGroup):
+    """A group whose parameters and gradients are views of two flat ``[1, total]`` buffers.
+
+    ``weights`` and ``grad`` are the parameters and their gradients themselves (not copies);
+    ``state`` holds the flat momentum buffer once it exists, ``work`` the float32 copy of
+    narrower weights.
+    """
+
+    def __init__(self, layout: BlockLayout, weights: torch.Tensor, grad: torch.Tensor):
+        work = {} if weights.dtype == torch.float32 else {"weights32": layout.zeros(torch.float32)}
+        super().__init__(layout, {}, work)
+        self.weights = weights
+        self.grad = grad
+
+    def holds(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether ``params`` are still this group's tensors, each still the view of its slice."""
+        return self.layout.matches(params) and all(
+            p.dtype == view.dtype and p.data_ptr() == view.data_ptr()
+            for p, view in zip(params, self.layout.views(self.weights))
+        )
+
+
+class FlatSGD(PackedOptimizer):
+    r"""Momentum SGD (``torch.optim.SGD``'s arithmetic) over one flat buffer per group, one fused op per step.
+
+    Per group, per element, exactly ``torch.optim.SGD``::
+
+        d   = -g if maximize else g
+        d   = d + weight_decay * w                       (L2 decay, in the gradient)
+        buf = d  (first step)  or  momentum * buf + (1 - dampening) * d
+        d   = d + momentum * buf  (nesterov)  or  buf     (with momentum)
+        w   = w - lr * d
+
+    A group's parameters are moved into one contiguous ``[1, total]`` buffer when
+    the group is added (each parameter becomes a view of its slice and keeps its
+    values), and their gradients into a second one that autograd accumulates into
+    in place, so a step is one call of :func:`tritonopt.ops.sgd_momentum_step`
+    per group: ``w``, ``g`` and the momentum buffer read once, ``w`` and the
+    buffer written once (20 bytes per float32 element). float16 and bfloat16
+    parameters are stepped in a float32 copy and rounded once to their dtype.
+
+    Args:
+        params: parameters or parameter groups; float32, float16 or bfloat16, one
+            dtype and one device per group. Groups may override every
+            hyperparameter below except ``on_nonfinite``.
+        lr, momentum, dampening, weight_decay, nesterov, maximize: as ``torch.optim.SGD``.
+        on_nonfinite: a step whose gradients hold NaN or inf changes nothing:
+            ``"skip"`` (default) warns and counts it in :attr:`skipped_steps`,
+            ``"raise"`` raises ``FloatingPointError``. Checking costs one
+            reduction of the gradients and one device-to-host synchronisation
+            per step. A finite gradient whose update overflows is not caught.
+
+    State (per parameter): ``momentum_buffer``, float32, shaped like the
+    parameter (a view of the group's flat buffer; created at the first step
+    with momentum, as torch's). The first parameter of each group also holds
+    ``step``, the group's number of steps.
+
+    Differences from ``torch.optim.SGD``: float64 parameters are refused (the
+    fused op computes in float32); ``zero_grad`` always zeroes the flat
+    gradients in place (``set_to_none`` is ignored, so the views stay
+    attached); a parameter whose ``.grad`` is ``None`` is stepped with a zero
+    gradient (weight decay and momentum still move it) instead of being
+    skipped. A gradient tensor that was replaced, not accumulated into, is
+    copied into the flat buffer before the step. Replacing a parameter's
+    ``.data`` (or copying, unpickling or loading the optimizer) is noticed at
+    the next step, which moves the parameters into a fresh flat buffer.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        on_nonfinite: str = "skip",
+    ):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize)
+        super().__init__(params, defaults, on_nonfinite)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_group(self, group: dict) -> None:
+        for name in ("lr", "momentum", "dampening", "weight_decay"):
+            check_float(name, group[name], low=0.0)
+        check_bool("nesterov", group["nesterov"])
+        check_bool("maximize", group["maximize"])
+        if group["nesterov"] and (group["momentum"] == 0 or group["dampening"] != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0 (as torch.optim.SGD)")
+
+    def _check_params(self, params: Sequence[torch.Tensor]) -> None:
+        super()._check_params(params)
+        for p in params:
+            if p.dtype not in _PARAM_DTYPES:
+                raise TypeError(
+                    f"FlatSGD steps float32, float16 or bfloat16 parameters (the fused op computes in float32), "
+                    f"got {p.dtype}"
+                )
+            if p.dtype != params[0].dtype:
+                raise TypeError(f"a group's parameters share one flat buffer: one dtype, found {params[0].dtype} "
+                                f"and {p.dtype}")
+            if p.is_sparse:
+                raise ValueError("FlatSGD needs dense parameters")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a parameter appears twice in a group")
+
+    def _checkpoint_spec(self, index: int, group: dict, params) -> CheckpointSpec:
+        return CheckpointSpec(per_param=frozenset(), like_param=frozenset({"momentum_buffer"}),
+                              optional=frozenset({"momentum_buffer"}), group_counters={"step": _MAX_STEPS})
+
+    # ------------------------------------------------------------------ the flat buffers
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        self._flat_group(index, self.param_groups[index]["params"])
+
+    def _flat_group(self, index: int, params: list[torch.Tensor]) -> _FlatGroup:
+        """The group's flat buffers; the parameters are moved into fresh ones when they are not views of them."""
+        packed = self._packed.get(index)
+        if packed is not None and packed.holds(params):
+            return packed
+        self._check_params(params)  # their dtype or device may have changed with their data
+        layout = BlockLayout(params, sum(p.numel() for p in params))
+        weights, grad = layout.zeros(params[0].dtype), layout.zeros(params[0].dtype)
+        with torch.no_grad():
+            layout.pack(params, weights)
+            for p, weight_view, grad_view in zip(params, layout.views(weights), layout.views(grad)):
+                if p.grad is not None:
+                    grad_view.copy_(p.grad)
+                p.data = weight_view
+                p.grad = grad_view
+        packed = _FlatGroup(layout, weights, grad)
+        self._packed[index] = packed
+        return packed
+
+    def _gather_gradients(self, packed: _FlatGroup) -> None:
+        """Re-attach gradients that were replaced or cleared, so the flat buffer holds every one."""
+        for p, view in zip(packed.layout.tensors, packed.layout.views(packed.grad)):
+            if p.grad is not None and p.grad.data_ptr() == view.data_ptr() and p.grad.shape == p.shape:
+                continue
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002  (the views must stay)
+        for index, group in enumerate(self.param_groups):
+            packed = self._flat_group(index, group["params"])
+            packed.grad.zero_()
+            for p, view in zip(packed.layout.tensors, packed.layout.views(packed.grad)):
+                p.grad = view
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        with torch.enable_grad():
+            loss = None if closure is None else closure()
+
+        # Validate and gather every group before any parameter or state changes.
+        with nvtx_range("tritonopt/flat_sgd/gather"):
+            for group in self.param_groups:
+                self._check_grads([p for p in group["params"] if p.grad is not None])
+            work = []
+            for index, group in enumerate(self.param_groups):
+                packed = self._flat_group(index, group["params"])
+                self._gather_gradients(packed)
+                work.append((group, packed))
+        if not all(all_finite([packed.grad for _, packed in work])):
+            self._refuse_step("a gradient holds NaN or inf")
+            return loss
+
+        for group, packed in work:
+            params = packed.layout.tensors
+            first_step = False
+            if group["momentum"] != 0 and "momentum_buffer" not in packed.state:
+                first_step = not any("momentum_buffer" in self.state[p] for p in params)
+                packed.state.update(bind_flat_state(self.state, packed.layout, ["momentum_buffer"], torch.float32))
+            counter = self.state[params[0]]
+            hyperparameters = {name: group[name] for name in _HYPERPARAMETERS}
+            flat_sgd(packed.weights, packed.grad, packed.state.get("momentum_buffer"), first_step=first_step,
+                     work=packed.work.get("weights32"), **hyperparameters)
+            counter["step"] = counter.get("step", 0) + 1
+        return loss
