@@ -450,10 +450,7 @@ class SSDSGD(PackedOptimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One SSD-SGD iteration on this rank's own gradients (see the module docstring)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate_closure(closure)
         self._flat.check_bound()
         self._check_gradients()
         scalars = self._group_scalars()
@@ -623,6 +620,7 @@ class SSDSGD(PackedOptimizer):
                     self._verdict = "mismatch"
                     continue
                 mean = send[:d].div_(self.world_size)
+                # The server rule in place: the replica needs no trial copy (a non-finite state is caught below).
                 for index, s in enumerate(scalars):
                     w = self._flat.group_slice(self._server_weight, index)
                     mom = self._flat.group_slice(self._server_momentum, index)
