@@ -8,8 +8,9 @@ seconds, writing under ``perf/results/local/smoke/`` (not committed).
 * ``bench_optimizer_step``: every optimizer's step against torch's SGD, Adam and Adagrad;
 * ``autotune``: warms and records Triton's autotune cache for real model shapes;
 * ``demo_digits``: the demo, eight optimizers on the digits MLP;
-* ``efcp_experiment``, ``kfac_experiment``, ``kaisa_tradeoff``, ``fosi_experiment``: the
-  papers' claims at CPU scale; each exits with status 1 when a claim it checks fails.
+* ``efcp_experiment``, ``kfac_experiment``, ``kaisa_tradeoff``, ``fosi_experiment``,
+  ``ssd_sgd_experiment``: the papers' claims at CPU scale; each exits with status 1 when a
+  claim it checks fails.
 
 The modules whose names start with an underscore are shared: ``_harness`` (command line,
 timing, floors, providers, NVTX, results, claims), ``_digits`` (the digits task),

@@ -6,8 +6,10 @@ pays torch's optimizer import once). Each rank returns what it saw and the
 tests assert in the parent, on both pairs.
 """
 
+import copy
 import datetime
 import io
+import pickle
 import time
 import warnings
 
@@ -312,6 +314,13 @@ def mismatch_runs(rank, group):
     return out
 
 
+def copy_and_memory_run(rank, group):
+    model = make_model()
+    opt = SSDSGD(model.parameters(), lr=0.05, process_group=group)
+    return dict(deepcopy=capture(lambda: copy.deepcopy(opt)), pickle=capture(lambda: pickle.dumps(opt)),
+                state_bytes=opt.state_bytes(), numel=sum(p.numel() for p in model.parameters()))
+
+
 def early_stop_run(rank, group):
     """Rank 1 stops after 4 steps; rank 0 must raise within the group's timeout, not hang."""
     model = make_model()
@@ -357,6 +366,7 @@ def pair_scenarios(rank, group, short_timeout_group):
             ("per_step", "skip", 4): nonfinite_run(rank, group, "per_step", "skip", 4),
         },
         "mismatch": mismatch_runs(rank, group),
+        "copy_and_memory": copy_and_memory_run(rank, group),
         "early_stop": early_stop_run(rank, short_timeout_group),  # last: it breaks that group
     }
 
@@ -589,3 +599,14 @@ def test_a_rank_that_stops_early_makes_the_others_raise_within_the_timeout(two_r
     assert kind == "CollectiveFailure" and "'shadow_sync_allreduce'" in message and "failed on rank" in message
     assert t >= 4 and waited < EARLY_STOP_TIMEOUT + 10.0  # the timeout plus slack for a loaded machine
     assert two_ranks[1]["early_stop"] is None
+
+
+def test_copies_are_refused_and_state_bytes_counts_every_buffer(two_ranks):
+    for rank in range(2):
+        out = two_ranks[rank]["copy_and_memory"]
+        for how in ("deepcopy", "pickle"):
+            assert out[how][0] == "TypeError" and "cannot be copied or pickled" in out[how][1]
+        # float64: pre, the synchronised momentum and the gradient (d each, the gradient with the
+        # agreement check's values), and the shadow server [sw; smom] with them: 5d + 2 * CHECK_ELEMENTS.
+        d = out["numel"]
+        assert out["state_bytes"] == 8 * (5 * d + 2 * SSDSGD.CHECK_ELEMENTS)
