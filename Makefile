@@ -65,6 +65,7 @@ bench: install
 	$(PY) -m perf.bench_kfac
 	$(PY) -m perf.bench_lanczos
 	$(PY) -m perf.bench_sgd_momentum
+	$(PY) -m perf.bench_ssd_sgd
 	$(PY) -m perf.bench_optimizer_step
 
 # Warm Triton's autotune cache for real model shapes (GPU) and record the chosen configs.

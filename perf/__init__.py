@@ -9,8 +9,8 @@ seconds, writing under ``perf/results/local/smoke/`` (not committed).
 * ``autotune``: warms and records Triton's autotune cache for real model shapes;
 * ``demo_digits``: the demo, eight optimizers on the digits MLP;
 * ``efcp_experiment``, ``kfac_experiment``, ``kaisa_tradeoff``, ``fosi_experiment``,
-  ``dsp_experiment``: the papers' claims at CPU scale; each exits with status 1 when a claim
-  it checks fails.
+  ``ssd_sgd_experiment``, ``dsp_experiment``, ``comm_hooks_experiment``: the papers' claims at
+  CPU scale; each exits with status 1 when a claim it checks fails.
 
 The modules whose names start with an underscore are shared: ``_harness`` (command line,
 timing, floors, providers, NVTX, results, claims), ``_digits`` (the digits task),

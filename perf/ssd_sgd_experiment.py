@@ -49,18 +49,22 @@ post-local SGD is reported, not judged):
 3. its global model's test accuracy is at most 1 point below SSGD's (mean);
 4. GLU beats the plain-SGD local updater at ``k`` = 5 (mean test accuracy).
 
-Results (``--out``, default ``perf/results/ssd_sgd/``): ``ssd_sgd_runs.csv``
-(one line per run and seed), ``ssd_sgd_summary.md`` (table and claim checks),
-``ssd_sgd.png`` (accuracy against wall-clock, and rank 0's training loss).
+Results (``--out``, default ``perf/results/ssd_sgd/``; ``--smoke``: under
+``perf/results/local/smoke/``): ``ssd_sgd_runs.csv`` (one line per run and seed),
+``ssd_sgd_summary.md`` (table and claim checks), ``ssd_sgd.png`` (accuracy against
+wall-clock, and rank 0's training loss).
 
-    python perf/ssd_sgd_experiment.py [--seeds 0 1 2] [--bandwidth-mbps 5] [--latency-ms 1] [--out DIR]
-    python perf/ssd_sgd_experiment.py --smoke     # short runs, no emulation: only claim 1 is judged
+    python -m perf.ssd_sgd_experiment [--seeds 0 1 2] [--bandwidth-mbps 5] [--latency-ms 1] [--out DIR]
+    python -m perf.ssd_sgd_experiment --smoke     # short runs, no emulation: only claim 1 is judged
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
+if __name__ == "__main__" and not __package__:  # python perf/ssd_sgd_experiment.py
+    import _as_module
+
+    _as_module.run(__file__)
+
 import datetime
 import math
 import os
@@ -80,12 +84,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from perf import _harness as harness
+from tritonopt.dist import SSDSGD, CountingCommunicator
 
-from tritonopt.dist import SSDSGD  # noqa: E402
-from tritonopt.dist._comm import CountingCommunicator  # noqa: E402
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "ssd_sgd"
+NAME = "ssd_sgd"
+DEFAULT_OUT = harness.RESULTS_DIR / NAME
 WORLD = 4
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 SSGD, POST_LOCAL = "SSGD", "post-local SGD k=5"
@@ -246,17 +249,12 @@ class EmulatedLinkCommunicator(CountingCommunicator):
         return None
 
     def all_reduce(self, tensor, *, label, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        nbytes = tensor.numel() * tensor.element_size()
-        self._record(label, nbytes, nbytes)
-        work = dist.all_reduce(tensor, op=op, group=self._group(group), async_op=True)
-        return self._issue(work, nbytes, async_op)
+        work = super().all_reduce(tensor, label=label, op=op, group=group, async_op=True)
+        return self._issue(work, tensor.numel() * tensor.element_size(), async_op)
 
     def broadcast(self, tensor, src, *, label, group=None, async_op=False):
-        nbytes = tensor.numel() * tensor.element_size()
-        is_source = dist.get_rank() == src
-        self._record(label, nbytes if is_source else 0, 0 if is_source else nbytes)
-        work = dist.broadcast(tensor, src=src, group=self._group(group), async_op=True)
-        return self._issue(work, nbytes, async_op)
+        work = super().broadcast(tensor, src, label=label, group=group, async_op=True)
+        return self._issue(work, tensor.numel() * tensor.element_size(), async_op)
 
 
 # --------------------------------------------------------------------------- one run on one rank
@@ -403,7 +401,26 @@ def median_of(rows, name, key) -> float:
     return statistics.median(r[key] for r in rows if r["run"] == name)
 
 
-def summarize(rows: list[dict], setup: Setup, smoke: bool, seconds: float) -> tuple[list[str], bool]:
+def claims(rows: list[dict]) -> list[harness.Claim]:
+    """The four claims, judged on the means (accuracy, bytes) and medians (wall-clock) over the seeds."""
+    ssd5, plain = "SSD-SGD k=5", "SSD-SGD k=5, SGD local updater"
+    bytes_ratio = mean_of(rows, SSGD, "mb_sent") / mean_of(rows, ssd5, "mb_sent")
+    speedup = median_of(rows, SSGD, "seconds") / median_of(rows, ssd5, "seconds")
+    acc_gap = mean_of(rows, ssd5, "global_acc") - mean_of(rows, SSGD, "global_acc")
+    glu_gain = mean_of(rows, ssd5, "global_acc") - mean_of(rows, plain, "global_acc")
+    return [
+        harness.Claim("SSD-SGD k = 5 moves at least 2x fewer bytes than SSGD", bytes_ratio >= 2.0,
+                      f"{bytes_ratio:.2f}x", smoke_scale=True),
+        harness.Claim("SSD-SGD k = 5 runs at least 1.5x faster than SSGD on the emulated link", speedup >= 1.5,
+                      f"{speedup:.2f}x"),
+        harness.Claim("SSD-SGD k = 5's global test accuracy is at most 1 point below SSGD's", acc_gap >= -1.0,
+                      f"{acc_gap:+.2f} points"),
+        harness.Claim("GLU beats the plain-SGD local updater at k = 5", glu_gain > 0, f"{glu_gain:+.2f} points"),
+    ]
+
+
+def summarize(rows: list[dict], setup: Setup, smoke: bool, seconds: float) -> tuple[list[str], list[harness.Claim]]:
+    """The summary's lines (table, per-seed table, claim verdicts, the post-local comparison) and the claims."""
     present = {r["run"] for r in rows}
     names = [n for n in TABLE_ORDER if n in present]
     link = (f"link {setup.bandwidth_mbps:g} MB/s + {setup.latency_ms:g} ms per collective"
@@ -435,54 +452,37 @@ def summarize(rows: list[dict], setup: Setup, smoke: bool, seconds: float) -> tu
         per_seed.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += per_seed
 
-    ssd5, plain = "SSD-SGD k=5", "SSD-SGD k=5, SGD local updater"
-    bytes_ratio = base_mb / mean_of(rows, ssd5, "mb_sent")
-    speedup = base_s / median_of(rows, ssd5, "seconds")
-    acc_gap = mean_of(rows, ssd5, "global_acc") - mean_of(rows, SSGD, "global_acc")
-    glu_gain = mean_of(rows, ssd5, "global_acc") - mean_of(rows, plain, "global_acc")
+    checks = claims(rows)
+    lines += ["", "## Claim checks", ""]
+    for i, claim in enumerate(checks, 1):
+        verdict = "not checked (smoke run)" if smoke and not claim.smoke_scale else ("PASS" if claim.holds else "FAIL")
+        lines.append(f"{i}. {verdict}: {claim.text} ({claim.detail}).")
+    ssd5 = "SSD-SGD k=5"
     post_gap = mean_of(rows, ssd5, "global_acc") - mean_of(rows, POST_LOCAL, "global_acc")
     post_speed = median_of(rows, POST_LOCAL, "seconds") / median_of(rows, ssd5, "seconds")
-    checks = [
-        (f"SSD-SGD k = 5 moves at least 2x fewer bytes than SSGD: {bytes_ratio:.2f}x", bytes_ratio >= 2.0, True),
-        (f"SSD-SGD k = 5 runs at least 1.5x faster than SSGD on the emulated link: {speedup:.2f}x",
-         speedup >= 1.5, not smoke),
-        (f"SSD-SGD k = 5's global test accuracy is at most 1 point below SSGD's: {acc_gap:+.2f} points",
-         acc_gap >= -1.0, not smoke),
-        (f"GLU beats the plain-SGD local updater at k = 5: {glu_gain:+.2f} points", glu_gain > 0, not smoke),
-    ]
-    lines += ["", "## Claim checks", ""]
-    ok = True
-    for i, (text, holds, judged) in enumerate(checks, 1):
-        if judged:
-            ok &= holds
-            lines.append(f"{i}. {text}: {'**holds**' if holds else '**does not hold**'}.")
-        else:
-            lines.append(f"{i}. {text}: not judged in a smoke run.")
     lines += [
-        f"5. Against torch's post-local SGD (period 5, same warm-up; reported, not judged): SSD-SGD k = 5's global "
-        f"model is {post_gap:+.2f} points {'above' if post_gap >= 0 else 'below'} it, and post-local SGD takes "
-        f"{post_speed:.2f}x SSD-SGD's wall-clock while moving {mean_of(rows, POST_LOCAL, 'mb_sent'):.1f} MB "
-        f"against {mean_of(rows, ssd5, 'mb_sent'):.1f} MB (it averages d weights per period, SSD-SGD "
-        "all-reduces 2d: the shadow weights and momenta).",
+        f"{len(checks) + 1}. Against torch's post-local SGD (period 5, same warm-up; reported, not judged): "
+        f"SSD-SGD k = 5's global model is {post_gap:+.2f} points {'above' if post_gap >= 0 else 'below'} it, and "
+        f"post-local SGD takes {post_speed:.2f}x SSD-SGD's wall-clock while moving "
+        f"{mean_of(rows, POST_LOCAL, 'mb_sent'):.1f} MB against {mean_of(rows, ssd5, 'mb_sent'):.1f} MB (it "
+        "averages d weights per period, SSD-SGD all-reduces 2d: the shadow weights and momenta).",
         "",
         "Wall-clock is the slowest rank's training loop on a shared 2-core machine (4 processes, one thread "
         "each); bytes are the payload each rank sent (the link charges 2 (N-1)/N of it). Accuracy does not "
         "depend on the link: the shadow-server mapping is exact and deterministic.",
         "",
-        f"Command: `python perf/ssd_sgd_experiment.py{' --smoke' if smoke else ''}` ({seconds:.0f} s in all, "
+        f"Command: `python -m perf.ssd_sgd_experiment{' --smoke' if smoke else ''}` ({seconds:.0f} s in all, "
         f"torch {torch.__version__}).",
     ]
-    return lines, ok
+    return lines, checks
 
 
 def plot(rows: list[dict], setup: Setup, path: Path) -> None:
     try:
-        import matplotlib
+        plt = harness.pyplot()
     except ImportError:
         print("matplotlib is not installed: no plot written")
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     present = {r["run"] for r in rows}
     names = [n for n in TABLE_ORDER if n in present]
@@ -516,29 +516,27 @@ def plot(rows: list[dict], setup: Setup, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def write_csv(path: Path, rows: list[dict], setup: Setup) -> None:
-    columns = ["run", "seed", "seconds", "mb_sent", "collectives", "link_seconds", "global_acc", "local_acc",
-               "final_loss"]
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns + ["bandwidth_mbps", "latency_ms", "torch_version"])
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({**{c: r[c] for c in columns}, "bandwidth_mbps": setup.bandwidth_mbps,
-                             "latency_ms": setup.latency_ms, "torch_version": torch.__version__})
-    print(f"wrote {path}")
+CSV_COLUMNS = ("run", "seed", "seconds", "mb_sent", "collectives", "link_seconds", "global_acc", "local_acc",
+               "final_loss")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds: 5 warm-up + 40 iterations, one seed, no link emulation; "
-                             "only the byte claim is judged")
+def parse_args(argv):
+    parser = harness.script_parser(
+        __doc__.splitlines()[0], default_out="perf/results/ssd_sgd/",
+        smoke_help="seconds: 5 warm-up + 40 iterations, one seed, no link emulation; only the byte claim is judged",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1 2)")
     parser.add_argument("--bandwidth-mbps", type=float, default=None,
                         help="emulated link bandwidth in MB/s (default 5; 0 turns emulation off)")
     parser.add_argument("--latency-ms", type=float, default=None, help="per-collective latency (default 1)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
+    if (args.bandwidth_mbps or 0) < 0 or (args.latency_ms or 0) < 0:
+        parser.error("--bandwidth-mbps and --latency-ms must be >= 0")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
     setup = Setup()
     if args.smoke:
         setup = replace(setup, warmup_steps=5, delay_iterations=40, seeds=(0,), bandwidth_mbps=0.0)
@@ -548,25 +546,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         setup = replace(setup, bandwidth_mbps=args.bandwidth_mbps)
     if args.latency_ms is not None:
         setup = replace(setup, latency_ms=args.latency_ms)
-    if setup.bandwidth_mbps < 0 or setup.latency_ms < 0:
-        parser.error("--bandwidth-mbps and --latency-ms must be >= 0")
+    out_dir = harness.output_dir(args.out, DEFAULT_OUT, smoke=args.smoke, name=NAME)
 
     began = time.perf_counter()
     print(f"SSD-SGD experiment: {len(runs())} runs x {len(setup.seeds)} seeds on {WORLD} gloo ranks "
           f"({setup.steps} iterations each)", flush=True)
     rows = combine(run_all(setup))
-    lines, ok = summarize(rows, setup, args.smoke, time.perf_counter() - began)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "ssd_sgd_runs.csv", rows, setup)
-    (args.out / "ssd_sgd_summary.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out / 'ssd_sgd_summary.md'}")
-    plot(rows, setup, args.out / "ssd_sgd.png")
+    lines, checks = summarize(rows, setup, args.smoke, time.perf_counter() - began)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_rows = [{**{c: r[c] for c in CSV_COLUMNS}, "bandwidth_mbps": setup.bandwidth_mbps,
+                 "latency_ms": setup.latency_ms} for r in rows]
+    print(f"wrote {harness.write_results(csv_rows, out_dir, 'ssd_sgd_runs')}")
+    (out_dir / "ssd_sgd_summary.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out_dir / 'ssd_sgd_summary.md'}")
+    plot(rows, setup, out_dir / "ssd_sgd.png")
     print("\n".join(lines))
-    if not ok:
-        print("a claim does not hold: exit status 1")
-        return 1
-    return 0
+    return harness.report_claims(checks, smoke=args.smoke)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

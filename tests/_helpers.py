@@ -35,7 +35,8 @@ def run_steps(params, opt, stream) -> None:
 
 
 def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
+    """The tensors' values end to end in one new 1-D tensor (detached from autograd)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 def state_tensors(state_dict: dict, ignore: tuple = ()) -> list:

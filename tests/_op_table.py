@@ -11,6 +11,7 @@ joins every contract test by adding an entry here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -152,6 +153,30 @@ def _sgd_momentum_step():
     return dict(param=torch.randn(40, generator=gen), grad=torch.randn(40, generator=gen),
                 momentum_buffer=torch.randn(40, generator=gen), lr=0.1, momentum=0.9, weight_decay=1e-4,
                 nesterov=True)
+
+
+def _ssd_sgd_step(*, pulled: bool = False, shadow: bool = True, dtype: torch.dtype = torch.float32, n: int = 40):
+    gen = _generator(20)
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def vector(to: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(n, generator=gen, dtype=torch.float64) * scale).to(to)
+
+    call = dict(param=vector(dtype), grad=vector(dtype), pre_weight=vector(state_dtype), lr=0.1, momentum=0.9,
+                weight_decay=1e-4, local_lr=0.4, local_weight_decay=1e-4, glu_alpha=2.0, glu_beta=0.5,
+                sync_coef=0.2, pulled=pulled)
+    if shadow:
+        call.update(shadow_weight=vector(state_dtype), shadow_momentum=vector(state_dtype, 0.1))
+        if pulled:
+            call.update(sync_momentum=torch.zeros(n, dtype=state_dtype), shadow_scale=0.5)
+    return call
+
+
+def _overlapping_shadow_buffers(call: dict) -> None:
+    """The shadow weight and momentum as two overlapping views of one buffer."""
+    n = call["param"].shape[0]
+    buffer = torch.cat([call["shadow_weight"], call["shadow_momentum"][: n // 2]])
+    call.update(shadow_weight=buffer[:n], shadow_momentum=buffer[n // 2 :])
 
 
 def _with(sample: Callable[[], dict], **changes) -> Callable[[], dict]:
@@ -316,4 +341,38 @@ OPS = [
            updated=("param",), variant="no-momentum",
            empty=_with(_sgd_momentum_step, param=torch.zeros(0), grad=torch.zeros(0), momentum_buffer=None,
                        momentum=0.0, nesterov=False)),
+    OpInfo(ops.ssd_sgd_step, _ssd_sgd_step, updated=("param", "pre_weight", "shadow_weight", "shadow_momentum"),
+           empty=partial(_ssd_sgd_step, n=0), bad=[
+        ("2-D param", dict(param=torch.zeros(40, 1)), ValueError, "param must be 1-D"),
+        ("grad of another length", dict(grad=torch.zeros(39)), ValueError, "grad must have shape"),
+        ("strided grad", dict(grad=torch.zeros(80)[::2]), ValueError, "grad must be contiguous"),
+        ("float16 pre_weight", dict(pre_weight=torch.zeros(40, dtype=torch.float16)), TypeError, "pre_weight must be"),
+        ("float64 param, float32 state", dict(param=torch.zeros(40, dtype=torch.float64)), TypeError,
+         "both be float64 or neither"),
+        ("strided pre_weight", dict(pre_weight=torch.zeros(80)[::2]), ValueError, "pre_weight must be contiguous"),
+        ("a shadow weight without its momentum", dict(shadow_momentum=None), ValueError, "given together"),
+        ("float64 shadow momentum", dict(shadow_momentum=torch.zeros(40, dtype=torch.float64)), TypeError,
+         "shadow_momentum must have pre_weight's dtype"),
+        ("sync_momentum on a step without a pull", dict(sync_momentum=torch.zeros(40)), ValueError,
+         "sync_momentum is written only"),
+        ("shadow_scale on a step without a pull", dict(shadow_scale=0.5), ValueError, "shadow_scale applies"),
+        ("shadow_scale 0", dict(shadow_scale=0.0, pulled=True), ValueError, "shadow_scale must be > 0"),
+        ("momentum 1", dict(momentum=1.0), ValueError, "momentum must be < 1"),
+        ("negative lr", dict(lr=-0.1), ValueError, "lr must be >= 0"),
+        ("negative local_weight_decay", dict(local_weight_decay=-1e-4), ValueError, "local_weight_decay must be >= 0"),
+        ("glu_beta NaN", dict(glu_beta=float("nan")), ValueError, "glu_beta must be a finite number"),
+        ("sync_coef a string", dict(sync_coef="fast"), TypeError, "sync_coef must be a float"),
+        ("pulled an int", dict(pulled=1), TypeError, "pulled must be a bool"),
+        ("overlapping shadow buffers", _overlapping_shadow_buffers, ValueError,
+         "shadow_weight and shadow_momentum must not share memory"),
+    ]),
+    OpInfo(ops.ssd_sgd_step, partial(_ssd_sgd_step, pulled=True),
+           updated=("param", "pre_weight", "shadow_weight", "shadow_momentum", "sync_momentum"),
+           empty=partial(_ssd_sgd_step, pulled=True, n=0), variant="pulled"),
+    OpInfo(ops.ssd_sgd_step, partial(_ssd_sgd_step, pulled=True, shadow=False), updated=("param", "pre_weight"),
+           variant="glu-only"),
+    OpInfo(ops.ssd_sgd_step, partial(_ssd_sgd_step, pulled=True, dtype=torch.bfloat16),
+           updated=("param", "pre_weight", "shadow_weight", "shadow_momentum", "sync_momentum"), variant="bfloat16"),
+    OpInfo(ops.ssd_sgd_step, partial(_ssd_sgd_step, pulled=True, dtype=torch.float64),
+           updated=("param", "pre_weight", "shadow_weight", "shadow_momentum", "sync_momentum"), variant="float64"),
 ]

@@ -24,13 +24,17 @@ SMOKE_OUTPUTS = {
     "bench_optimizer_step": ["optimizer_step.csv"],
     "bench_sgd_momentum": ["sgd_momentum.csv"],
     "bench_sparse_ring": ["sparse_ring.csv"],
+    "bench_ssd_sgd": ["ssd_sgd.csv"],
     "demo_digits": ["demo_digits.csv", "demo_digits_curves.csv", "demo_digits.md"],
     "dsp_experiment": ["dsp_runs.csv", "dsp_summary.csv", "dsp_summary.md"],
     "efcp_experiment": ["efcp.csv", "efcp_summary.md"],
     "fosi_experiment": ["fosi_e1.csv", "fosi_digits.csv", "fosi_dist.csv", "fosi_comm.csv", "fosi_summary.md"],
     "kaisa_tradeoff": ["kaisa_tradeoff.csv", "kaisa_tradeoff.md"],
     "kfac_experiment": ["kfac_autoencoder.csv", "kfac_classifier.csv", "kfac_autoencoder.md"],
+    "ssd_sgd_experiment": ["ssd_sgd_runs.csv", "ssd_sgd_summary.md"],
 }
+# Smoke runs that spawn gloo ranks and take about a minute: with -m slow.
+SLOW_SMOKE = {"ssd_sgd_experiment"}
 OPTIMIZERS = ("SGD", "Adam", "Adagrad", "SparseAdaGrad", "MFAC", "SparseMFAC", "GGT", "SparseGGT",
               "LowRankMFAC", "KFAC+SGD", "FOSI-Adam")
 
@@ -50,7 +54,8 @@ def test_help(name):
     assert text.startswith("usage:") and "--smoke" in text and "--out" in text, text
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_SMOKE else name
+                                  for name in SCRIPTS])
 def test_smoke(name):
     result, out = smoke_run(name)
     assert result.returncode == 0, output_of(result)

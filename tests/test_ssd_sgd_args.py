@@ -16,7 +16,7 @@ def params():
     "kwargs, error, match",
     [
         (dict(delay_steps=0), ValueError, "delay_steps must be an int >= 1"),
-        (dict(delay_steps=2.0), ValueError, "delay_steps must be an int"),
+        (dict(delay_steps=2.0), TypeError, "delay_steps must be an int"),
         (dict(warmup_steps=-1), ValueError, "warmup_steps must be an int >= 0"),
         (dict(lr=float("nan")), ValueError, "lr must be a finite number"),
         (dict(lr=-0.1), ValueError, "lr must be >= 0"),
@@ -29,7 +29,7 @@ def params():
         (dict(local_lr_mult=-4.0), ValueError, "local_lr_mult must be >= 0"),
         (dict(local_weight_decay=float("nan")), ValueError, "local_weight_decay must be a finite number"),
         (dict(comm="accumulate"), ValueError, "comm must be one of"),
-        (dict(on_nonfinite="ignore"), ValueError, "on_nonfinite must be 'skip' or 'raise'"),
+        (dict(on_nonfinite="ignore"), ValueError, "on_nonfinite must be one of"),
         (dict(communicator=object()), TypeError, "communicator must be"),
     ],
 )
@@ -51,7 +51,7 @@ def test_bad_groups_and_parameters_are_named():
         SSDSGD([dict(params=ps[:1]), dict(params=ps[1:], momentum=1.5)], lr=0.1)
     with pytest.raises(ValueError, match="one dtype"):
         SSDSGD([ps[0], nn.Parameter(torch.zeros(2, dtype=torch.float64))], lr=0.1)
-    with pytest.raises(ValueError, match="real floating-point"):
+    with pytest.raises(ValueError, match="does not support complex parameters"):
         SSDSGD([nn.Parameter(torch.zeros(2, dtype=torch.complex64))], lr=0.1)
     with pytest.raises(TypeError, match="iterable of tensors"):
         SSDSGD(ps, lr=0.1, sync_buffers=torch.zeros(3))

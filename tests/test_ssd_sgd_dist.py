@@ -6,8 +6,10 @@ pays torch's optimizer import once). Each rank returns what it saw and the
 tests assert in the parent, on both pairs.
 """
 
+import copy
 import datetime
 import io
+import pickle
 import time
 import warnings
 
@@ -15,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from _distributed import run_on_ranks
+from _helpers import flat
 from torch import nn
 
 import tritonopt
 from tritonopt.dist import SSDSGD
-from tritonopt.dist.ssd_sgd import CHECK_ELEMENTS
 
 IN, HIDDEN, OUT, BATCH = 5, 6, 3, 4
 WARMUP = 4  # the paper's wp + 1
@@ -47,10 +49,6 @@ def batch(rank, t, dtype=torch.float64):
 
 def loss_of(model, x, y):
     return ((model(x) - y) ** 2).mean()
-
-
-def flat(tensors):
-    return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
 
 
 def lr_at(t, base):
@@ -165,7 +163,7 @@ def exactness_run(rank, group, k, wp1, steps, comm):
                 rec["global"] = flat(opt.global_parameters())
         records.append(rec)
     stats = {label: vars(s) for label, s in opt.comm.stats().items()}
-    return dict(records=records, stats=stats, numel=opt._flat.numel)
+    return dict(records=records, stats=stats, numel=sum(p.numel() for p in model.parameters()))
 
 
 def warmup_only_run(rank, group):
@@ -210,8 +208,9 @@ def resume_run(rank, group, comm, checkpoint_at, steps=14, k=3, wp1=3):
     opt = build(model, k, wp1, comm, group=group)
     train(model, opt, 0, checkpoint_at)
     buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    in_flight = opt._sync_state if comm == "shadow" else len(opt._pending)
+    saved = opt.state_dict()
+    torch.save(saved, buffer)
+    sync_state = saved["ssd_sgd"]["sync_state"]
     resumed_model = make_model(seed=1)  # different initial weights: the state dict must restore them
     resumed = build(resumed_model, k, wp1, comm, group=group)
     buffer.seek(0)
@@ -219,7 +218,7 @@ def resume_run(rank, group, comm, checkpoint_at, steps=14, k=3, wp1=3):
     train(resumed_model, resumed, checkpoint_at, steps)
     resumed.finalize()
     return dict(straight=straight, resumed=(flat(resumed_model.parameters()), flat(resumed.global_parameters())),
-                in_flight=in_flight)
+                sync_state=sync_state)
 
 
 def batchnorm_run(rank, group, k=2, wp1=2, steps=6):
@@ -280,7 +279,7 @@ def nonfinite_run(rank, group, comm, policy, bad_step, bad_rank=1, k=3, wp1=3, s
         log.append(dict(t=t, error=error, warned=[str(w.message) for w in caught],
                         steps_before=steps_before, steps=opt.steps, skipped=opt.skipped_steps,
                         before=before, after=flat(model.parameters()),
-                        pre=opt._pre.clone() if opt._delay_ready else None))
+                        pre=None if opt.in_warmup else flat(opt.state[p]["pre_weight"] for p in model.parameters())))
     opt.finalize()
     return dict(log=log, final=flat(model.parameters()), global_=flat(opt.global_parameters()))
 
@@ -313,6 +312,13 @@ def mismatch_runs(rank, group):
     before = flat(model.parameters())
     out["warmup_drift"] = (capture(opt.step), torch.equal(before, flat(model.parameters())))
     return out
+
+
+def copy_and_memory_run(rank, group):
+    model = make_model()
+    opt = SSDSGD(model.parameters(), lr=0.05, process_group=group)
+    return dict(deepcopy=capture(lambda: copy.deepcopy(opt)), pickle=capture(lambda: pickle.dumps(opt)),
+                state_bytes=opt.state_bytes(), numel=sum(p.numel() for p in model.parameters()))
 
 
 def early_stop_run(rank, group):
@@ -360,6 +366,7 @@ def pair_scenarios(rank, group, short_timeout_group):
             ("per_step", "skip", 4): nonfinite_run(rank, group, "per_step", "skip", 4),
         },
         "mismatch": mismatch_runs(rank, group),
+        "copy_and_memory": copy_and_memory_run(rank, group),
         "early_stop": early_stop_run(rank, short_timeout_group),  # last: it breaks that group
     }
 
@@ -437,21 +444,21 @@ def test_collective_counts_and_bytes_equal_the_formulas(four_ranks):
             assert stats["initial_broadcast"] == dict(
                 calls=1, bytes_sent=per_call(d) if rank_result is four_ranks[0] else 0,
                 bytes_received=0 if rank_result is four_ranks[0] else per_call(d))
-            assert stats["config_check"]["calls"] == 1
+            assert stats["config_check"]["calls"] == 2  # the agreement check's two all-gathers
             if wp1:
                 assert stats["warmup_grad_allreduce"] == dict(
-                    calls=wp1, bytes_sent=wp1 * per_call(d + CHECK_ELEMENTS),
-                    bytes_received=wp1 * per_call(d + CHECK_ELEMENTS))
+                    calls=wp1, bytes_sent=wp1 * per_call(d + SSDSGD.CHECK_ELEMENTS),
+                    bytes_received=wp1 * per_call(d + SSDSGD.CHECK_ELEMENTS))
             if mode == "per_step":
                 n = steps - wp1
                 assert stats["per_step_grad_allreduce"]["calls"] == n
-                assert stats["per_step_grad_allreduce"]["bytes_sent"] == n * per_call(d + CHECK_ELEMENTS)
+                assert stats["per_step_grad_allreduce"]["bytes_sent"] == n * per_call(d + SSDSGD.CHECK_ELEMENTS)
                 assert "shadow_sync_allreduce" not in stats
             else:
                 syncs = (steps - wp1) // k
                 assert stats["shadow_sync_allreduce"] == dict(
-                    calls=syncs, bytes_sent=syncs * per_call(2 * d + CHECK_ELEMENTS),
-                    bytes_received=syncs * per_call(2 * d + CHECK_ELEMENTS))
+                    calls=syncs, bytes_sent=syncs * per_call(2 * d + SSDSGD.CHECK_ELEMENTS),
+                    bytes_received=syncs * per_call(2 * d + SSDSGD.CHECK_ELEMENTS))
                 assert set(stats) == {"config_check", "initial_broadcast", "warmup_grad_allreduce",
                                       "shadow_sync_allreduce"} - ({"warmup_grad_allreduce"} if not wp1 else set())
 
@@ -508,7 +515,7 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(two_ranks, comm, at):
         for straight, resumed in zip(run["straight"], run["resumed"]):
             assert torch.equal(straight, resumed), (rank, comm, at)
     if comm == "shadow" and at == 6:  # 3 warm-up steps, k = 3: the sync launched at step 6 was in flight
-        assert two_ranks[0]["resume"][(comm, at)]["in_flight"] == "ready"  # state_dict() flushed it
+        assert two_ranks[0]["resume"][(comm, at)]["sync_state"] == "ready"  # state_dict() flushed it
 
 
 def test_sync_buffers_are_averaged_at_each_sync(two_ranks):
@@ -589,6 +596,17 @@ def test_mismatched_setups_raise_a_named_error_on_every_rank(two_ranks):
 
 def test_a_rank_that_stops_early_makes_the_others_raise_within_the_timeout(two_ranks):
     t, (kind, message), waited = two_ranks[0]["early_stop"]
-    assert kind == "RuntimeError" and "did not complete" in message
+    assert kind == "CollectiveFailure" and "'shadow_sync_allreduce'" in message and "failed on rank" in message
     assert t >= 4 and waited < EARLY_STOP_TIMEOUT + 10.0  # the timeout plus slack for a loaded machine
     assert two_ranks[1]["early_stop"] is None
+
+
+def test_copies_are_refused_and_state_bytes_counts_every_buffer(two_ranks):
+    for rank in range(2):
+        out = two_ranks[rank]["copy_and_memory"]
+        for how in ("deepcopy", "pickle"):
+            assert out[how][0] == "TypeError" and "cannot be copied or pickled" in out[how][1]
+        # float64: pre, the synchronised momentum and the gradient (d each, the gradient with the
+        # agreement check's values), and the shadow server [sw; smom] with them: 5d + 2 * CHECK_ELEMENTS.
+        d = out["numel"]
+        assert out["state_bytes"] == 8 * (5 * d + 2 * SSDSGD.CHECK_ELEMENTS)

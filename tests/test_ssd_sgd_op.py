@@ -1,16 +1,18 @@
-"""The fused SSD-SGD step op: Triton against the reference, the reference against float64 math, bad input."""
+"""The fused SSD-SGD step op: Triton against the reference, the reference against float64 math.
+
+Its argument contract (bad input, aliasing, meta tensors, empty buffers, opcheck) is
+checked with every other op's, from its entries in ``_op_table.py``.
+"""
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from _helpers import BACKENDS, needs_triton
 from hypothesis import given
 from hypothesis import strategies as st
 
 import tritonopt
 from tritonopt.ops import ssd_sgd_step
 
-triton_only = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
-BACKENDS = ["reference", pytest.param("triton", marks=triton_only)]
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EPS32 = torch.finfo(torch.float32).eps
 # Each output is a chain of at most 10 float32 operations whose every intermediate is bounded by
@@ -112,7 +114,7 @@ def test_step_matches_its_float64_closed_form(backend, n, seed, hyper, pulled, s
         assert_close(out[name], value, bound, stored, name)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=triton_only)])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton)])
 @given(
     n=st.sampled_from([1, 1023, 1024, 1025, 2049, 4097]),
     seed=st.integers(0, 2**31 - 1),
@@ -182,73 +184,6 @@ def test_an_update_that_overflows_the_parameter_dtype_is_refused_element_wise(ba
                  glu_alpha=2.0, glu_beta=0.5, sync_coef=0.0)
     out, count = call(buffers, backend, pulled=False, shadow=True, **hyper)
     assert count == 1 and out["param"][3] == buffers["param"][3] and torch.isnan(out["sw"][3])
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_empty_buffers_are_a_no_op(backend):
-    buffers = make_buffers(0, 0)
-    out, count = call(buffers, backend, pulled=True, shadow=True, lr=0.1, momentum=0.9, weight_decay=0.0,
-                      local_lr=0.4, local_weight_decay=0.0, glu_alpha=2.0, glu_beta=0.5, sync_coef=0.2)
-    assert count == 0 and out["param"].numel() == 0
-
-
-GOOD = dict(lr=0.1, momentum=0.9, weight_decay=0.0, local_lr=0.4, local_weight_decay=0.0, glu_alpha=2.0,
-            glu_beta=0.5, sync_coef=0.2)
-
-
-@pytest.mark.parametrize(
-    "change, match",
-    [
-        (dict(param=torch.zeros(10, 2)), "param must be a 1-D"),
-        (dict(grad=torch.zeros(9)), "grad must be 1-D with 10"),
-        (dict(pre_weight=torch.zeros(10, dtype=torch.float16)), "pre_weight must be one of"),
-        (dict(param=torch.zeros(10, dtype=torch.float64)), "both be float64 or neither"),
-        (dict(pre_weight=torch.zeros(20)[::2]), "pre_weight must be contiguous"),
-        (dict(param=torch.zeros(10, requires_grad=True)), "must not require grad"),
-        (dict(shadow_weight=torch.zeros(10), shadow_momentum=None), "given together"),
-        (dict(sync_momentum=torch.zeros(10), pulled=False), "sync_momentum is written only"),
-        (dict(shadow_scale=0.5, pulled=False, sync_momentum=None), "shadow_scale applies"),
-        (dict(shadow_momentum=torch.zeros(10, dtype=torch.float64)), "shadow_momentum must have"),
-        (dict(momentum=1.0), "momentum must lie in"),
-        (dict(lr=-0.1), "lr must be >= 0"),
-        (dict(glu_beta=float("nan")), "glu_beta must be finite"),
-        (dict(sync_coef="fast"), "sync_coef must be a float"),
-        (dict(pulled=1), "pulled must be a bool"),
-    ],
-)
-def test_bad_arguments_are_named_and_nothing_changes(change, match):
-    args = dict(param=torch.ones(10), grad=torch.ones(10), pre_weight=torch.ones(10),
-                shadow_weight=torch.ones(10), shadow_momentum=torch.ones(10), sync_momentum=torch.ones(10),
-                pulled=True, **GOOD)
-    args.update(change)
-    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises((TypeError, ValueError), match=match):
-        ssd_sgd_step(**args)
-    for k, v in before.items():
-        assert torch.equal(args[k], v), k
-
-
-def test_aliasing_buffers_are_rejected():
-    w = torch.ones(10)
-    with pytest.raises(ValueError, match="param and pre_weight must not share memory"):
-        ssd_sgd_step(w, torch.ones(10), w, **GOOD)
-    s = torch.ones(20)
-    with pytest.raises(ValueError, match="shadow_weight and shadow_momentum must not share memory"):
-        ssd_sgd_step(torch.ones(10), torch.ones(10), torch.ones(10), shadow_weight=s[:10],
-                     shadow_momentum=s[5:15], **GOOD)
-    assert torch.equal(w, torch.ones(10)) and torch.equal(s, torch.ones(20))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("pulled, shadow", [(False, False), (True, False), (False, True), (True, True)])
-def test_opcheck(backend, pulled, shadow):
-    b = make_buffers(300, 9)
-    sw, smom = (b["sw"], b["smom"]) if shadow else (None, None)
-    sync = b["sync_mom"] if (pulled and shadow) else None
-    args = (b["param"], b["grad"], b["pre"], sw, smom, sync, 0.1, 0.9, 1e-4, 0.4, 1e-4, 2.0, 0.5, 0.2,
-            0.5 if (pulled and shadow) else 1.0, pulled)
-    with tritonopt.use_backend(backend):
-        torch.library.opcheck(torch.ops.tritonopt.ssd_sgd_step, args)
 
 
 @pytest.mark.gpu

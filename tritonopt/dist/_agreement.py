@@ -31,12 +31,14 @@ def check_ranks_agree(
     comm: CountingCommunicator,
     group: Optional[dist.ProcessGroup] = None,
     device: torch.device | str = "cpu",
+    label: str = "config_check",
 ) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all hold equal ``settings``.
 
     ``settings`` maps a name to a value whose ``repr`` identifies it (numbers,
     strings, tuples of shapes, dtypes). The message names each setting that
-    differs with every rank's value. A collective: every rank must call it.
+    differs with every rank's value. A collective: every rank must call it;
+    ``comm`` counts its two all-gathers under ``label``.
     """
     names = sorted(settings)
     local = torch.tensor([_digest(names)] + [_digest(settings[name]) for name in names], dtype=torch.int64,
@@ -44,11 +46,11 @@ def check_ranks_agree(
     world = dist.get_world_size(group)
     width = torch.tensor([local.numel()], dtype=torch.int64, device=device)
     widths = torch.empty(world, dtype=torch.int64, device=device)
-    comm.all_gather_into_tensor(widths, width, label="config_check", group=group)
+    comm.all_gather_into_tensor(widths, width, label=label, group=group)
     same_width = bool((widths == widths[0]).all())
     if same_width:
         gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
-        comm.all_gather_into_tensor(gathered, local, label="config_check", group=group)
+        comm.all_gather_into_tensor(gathered, local, label=label, group=group)
         if bool((gathered.view(world, -1) == local).all()):
             return
     every = [None] * world

@@ -6,7 +6,8 @@
 * :class:`GuardedCommunicator`: the collectives of a
   :class:`~tritonopt.dist._comm.CountingCommunicator`, with the backend's error
   (gloo: "Connection reset by peer", "Timed out waiting ...") re-raised as a
-  :class:`CollectiveFailure` that names the layer, the collective and the ranks.
+  :class:`CollectiveFailure` that names the layer, the collective and the ranks,
+  whether it fails when issued or, for an asynchronous one, when waited on.
 """
 
 from __future__ import annotations
@@ -88,16 +89,40 @@ class GuardedCommunicator:
 
         def guarded(*args, label: str, group=None, **kwargs):
             began = time.monotonic()
-            try:
-                return method(*args, label=label, group=group, **kwargs)
-            except RuntimeError as exc:
+
+            def failure(exc: RuntimeError) -> CollectiveFailure:
                 target = group if group is not None else self.comm.group
                 ranks = dist.get_process_group_ranks(target if target is not None else dist.group.WORLD)
-                raise CollectiveFailure(
+                return CollectiveFailure(
                     f"{self.layer}: the collective {label!r} ({name}) among ranks {ranks} failed on rank "
                     f"{dist.get_rank()} after {time.monotonic() - began:.1f} s (timeout "
                     f"{self.timeout.total_seconds():g} s): another rank died, stalled or left. "
                     f"Backend error: {exc}"
-                ) from exc
+                )
+
+            try:
+                work = method(*args, label=label, group=group, **kwargs)
+            except RuntimeError as exc:
+                raise failure(exc) from exc
+            return _GuardedWork(work, failure) if kwargs.get("async_op") else work
 
         return guarded
+
+
+class _GuardedWork:
+    """The work handle of an asynchronous collective, whose ``wait`` raises :class:`CollectiveFailure`."""
+
+    def __init__(self, work, failure):
+        self._work = work
+        self._failure = failure
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self._work.wait(*args, **kwargs)
+        except RuntimeError as exc:
+            raise self._failure(exc) from exc
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_work", "_failure"):
+            raise AttributeError(name)
+        return getattr(self._work, name)

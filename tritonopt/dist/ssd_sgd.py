@@ -41,7 +41,7 @@ asynchronously (d values, DDP's volume) into a replica of the server state on
 every rank; the replica is advanced through iteration ``j`` before the GLU of
 ``j + 1``. No rank waits for another except at those points.
 
-Collectives (through :class:`~tritonopt.dist._comm.CountingCommunicator`;
+Collectives (through :class:`~tritonopt.dist.CountingCommunicator`;
 ``s`` bytes per element of the state dtype: 4, or 8 for float64 parameters;
 ``b`` the elements of ``sync_buffers``; every all-reduce carries
 ``CHECK_ELEMENTS = 8`` more values that let all ranks verify, together, that
@@ -50,9 +50,10 @@ they used the same step count and hyperparameters):
 ============================  =====================  ===================================
 label                         when                   size
 ============================  =====================  ===================================
-``config_check``              construction           two int64 values per checked
-                                                     field: ranks agree on shapes and
-                                                     hyperparameters
+``config_check``              construction           two all-gathers of int64 digests
+                                                     (one value, then one per checked
+                                                     setting and one more): ranks agree
+                                                     on shapes and hyperparameters
 ``load_state_dict_check``     ``load_state_dict``    the same, plus counters and state
 ``initial_broadcast``         construction           the parameters (their dtype), and
                                                      the floating ``sync_buffers``
@@ -65,8 +66,9 @@ Memory per rank besides the parameters (which SSDSGD moves into one flat
 buffer: each parameter's ``.data`` becomes a view of it): ``pre`` (d), the
 shadow or replica server state (2d), the momentum of the last synchronised
 state (d, for discarding a window, below), and a gradient buffer (d), all in
-float32 (float64 for float64 parameters); ``per_step`` also keeps up to
-``k + 1`` gradient buffers in flight.
+float32 (float64 for float64 parameters), one packed group across all
+parameter groups (:meth:`state_bytes` counts them); ``per_step`` also keeps up
+to ``k + 1`` gradient buffers in flight.
 
 Non-finite values (``on_nonfinite="skip"`` or ``"raise"``; every rank decides
 together). Warm-up: the averaged gradient and the update are checked on every
@@ -81,8 +83,10 @@ count or hyperparameters (learning-rate schedule included) differ from the
 others' makes every rank raise ``ValueError`` at the next synchronisation
 (the window is discarded first).
 
-A rank that stops early: the others raise ``RuntimeError`` from their next
-wait, after at most the process group's timeout (a dead peer usually sooner).
+A rank that stops early: the others raise
+:class:`~tritonopt.dist.CollectiveFailure` (a ``RuntimeError``) from their next
+wait, naming the collective and the ranks, after at most the process group's
+timeout (a dead peer usually sooner).
 
 BatchNorm and other buffers are local (like MXNet's auxiliary states);
 ``sync_buffers=model.buffers()`` averages the floating-point ones at each
@@ -96,15 +100,15 @@ key); leave frozen parameters out of the optimizer.
 Checkpoints are per rank: ``state_dict`` flushes an in-flight synchronisation
 first, and holds the counters, ``pre``, the server state and the rank's local
 weights; ``load_state_dict`` restores all of them (the parameters included),
-on the same rank of the same world size, and checks with one collective that
-the ranks' global state agrees.
+on the same rank of the same world size, and checks with the agreement check that
+the ranks' global state agrees. ``copy.deepcopy`` and ``pickle`` are refused (a
+process group cannot be copied).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-import math
 import struct
 import warnings
 import zlib
@@ -112,58 +116,27 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.optim import Optimizer
 
-from tritonopt import ops
 from tritonopt._runtime import nvtx_range
+from tritonopt._validation import check_choice, check_float, check_int
+from tritonopt.dist._agreement import check_ranks_agree
+from tritonopt.dist._collective_guard import GuardedCommunicator, resolve_timeout
 from tritonopt.dist._comm import CountingCommunicator
-from tritonopt.optim._blocks import BlockLayout
+from tritonopt.ops import ssd_sgd_step
+from tritonopt.optim import BlockLayout, CheckpointSpec, PackedGroup, PackedOptimizer
+from tritonopt.optim.functional import server_momentum_sgd, ssd_sgd_step_scalars
 
 __all__ = ["SSDSGD", "COMM_MODES", "CHECK_ELEMENTS"]
 
 COMM_MODES = ("shadow", "per_step")
-NONFINITE_POLICIES = ("skip", "raise")
 CHECK_ELEMENTS = 8
 _GROUP_KEYS = ("lr", "momentum", "weight_decay", "local_lr_mult", "local_weight_decay",
                "glu_alpha", "glu_beta")
 _STATE_NAMES = ("pre_weight", "shadow_weight", "shadow_momentum", "sync_momentum")
+# What a checkpoint holds per parameter: the state above and the rank's local weight.
+_CHECKPOINT = CheckpointSpec(per_param=frozenset(_STATE_NAMES + ("local_weight",)),
+                             like_param=frozenset(_STATE_NAMES + ("local_weight",)))
 _ALGO = "tritonopt/ssd_sgd"
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _check_real(name: str, value, *, low: Optional[float] = None, high: Optional[float] = None,
-                high_open: bool = False) -> None:
-    if isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a float (a tensor {name} is not supported)")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value!r}")
-    if high is not None and (value > high or (high_open and value == high)):
-        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value!r}")
-
-
-def _check_int(name: str, value, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
-def _check_group_hyperparameters(group: dict) -> None:
-    _check_real("lr", group["lr"], low=0.0)
-    _check_real("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
-    _check_real("weight_decay", group["weight_decay"], low=0.0)
-    _check_real("local_lr_mult", group["local_lr_mult"], low=0.0)
-    if group["local_weight_decay"] is not None:
-        _check_real("local_weight_decay", group["local_weight_decay"], low=0.0)
-    _check_real("glu_alpha", group["glu_alpha"])
-    _check_real("glu_beta", group["glu_beta"])
-
-
-def _digest(value) -> int:
-    """A 62-bit hash of ``repr(value)``: equal on every rank exactly when the values are."""
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
@@ -171,15 +144,15 @@ def _tensor_digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-# --------------------------------------------------------------------------- flat packing
+# --------------------------------------------------------------------------- flat parameters
 
 
 class _FlatParameters:
     """Every parameter of every group, end to end in one flat buffer, in group order.
 
     Each parameter's ``.data`` is made a view of its slice, so the fused step
-    updates all of them in one pass. This class is the only place that knows
-    where a parameter lives.
+    updates all of them in one pass and one all-reduce carries every group.
+    This class is the only place that knows where a parameter lives.
     """
 
     def __init__(self, groups: Sequence[dict]):
@@ -224,7 +197,7 @@ class _FlatParameters:
 # --------------------------------------------------------------------------- the optimizer
 
 
-class SSDSGD(Optimizer):
+class SSDSGD(PackedOptimizer):
     """SSD-SGD on ``torch.distributed``; run one instance on every rank (see the module docstring).
 
     Args:
@@ -245,12 +218,15 @@ class SSDSGD(Optimizer):
         on_nonfinite: ``"skip"`` or ``"raise"`` (see the module docstring).
         sync_buffers: tensors (e.g. ``model.buffers()``) whose floating-point ones are
             averaged at each delay-stage synchronisation; broadcast from rank 0 at construction.
-        communicator: a :class:`CountingCommunicator` to issue the collectives through
-            (None: one is made for ``process_group``).
+        communicator: a :class:`~tritonopt.dist.CountingCommunicator` to issue the
+            collectives through (None: one is made for ``process_group``); ``comm``
+            holds it, with its counters.
 
-    Pass each rank its own local gradients (no DDP). Construction issues two
-    collectives: the agreement check and the broadcast of rank 0's parameters.
+    Pass each rank its own local gradients (no DDP). Construction issues the
+    agreement check (two small all-gathers) and the broadcast of rank 0's parameters.
     """
+
+    CHECK_ELEMENTS = CHECK_ELEMENTS  # values appended to every all-reduce (see the module docstring)
 
     def __init__(
         self,
@@ -274,21 +250,16 @@ class SSDSGD(Optimizer):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         local_lr_mult=local_lr_mult, local_weight_decay=local_weight_decay,
                         glu_alpha=glu_alpha, glu_beta=glu_beta)
-        _check_group_hyperparameters(defaults)
-        _check_int("delay_steps", delay_steps, low=1)
-        _check_int("warmup_steps", warmup_steps, low=0)
-        if comm not in COMM_MODES:
-            raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
-        if on_nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+        check_int("delay_steps", delay_steps, low=1)
+        check_int("warmup_steps", warmup_steps, low=0)
+        check_choice("comm", comm, COMM_MODES)
         if communicator is not None and not isinstance(communicator, CountingCommunicator):
-            raise TypeError("communicator must be a tritonopt.dist._comm.CountingCommunicator")
+            raise TypeError("communicator must be a tritonopt.dist.CountingCommunicator")
         self.delay_steps = delay_steps
         self.warmup_steps = warmup_steps
         self.comm_mode = comm
-        self.on_nonfinite = on_nonfinite
         self._building = True
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, on_nonfinite)
         self._building = False
         self._check_parameters()
         buffers = self._check_sync_buffers(sync_buffers)
@@ -303,20 +274,23 @@ class SSDSGD(Optimizer):
         if self.rank < 0:
             raise ValueError("this process is not a member of process_group")
         self.comm = CountingCommunicator(process_group) if communicator is None else communicator
-        self._agree(self._config_fields(buffers), "build SSDSGD with the same parameters and hyperparameters")
+        self._collectives = GuardedCommunicator(self.comm, layer="SSDSGD",
+                                                timeout=resolve_timeout(None, process_group))
+        device = self.param_groups[0]["params"][0].device
+        check_ranks_agree("SSDSGD", self._settings(buffers), comm=self._collectives, group=process_group,
+                          device=device)
 
         with torch.no_grad():
             self._flat = _FlatParameters(self.param_groups)
             self._sync_buffers = buffers
             source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            self.comm.broadcast(self._flat.buffer, source, label="initial_broadcast", group=process_group)
+            self._collectives.broadcast(self._flat.buffer, source, label="initial_broadcast", group=process_group)
             if buffers:
                 packed = torch.cat([b.reshape(-1).to(self._flat.buffer.dtype) for b in buffers])
-                self.comm.broadcast(packed, source, label="initial_broadcast", group=process_group)
+                self._collectives.broadcast(packed, source, label="initial_broadcast", group=process_group)
                 self._unpack_buffers(packed, scale=1.0)
         self._allocate_state()
 
-        self.skipped_steps = 0
         self._steps = 0  # iterations applied (discarded windows are not counted)
         self._delay_ready = False  # pre / server state initialised for the delay stage
         self._window_start = warmup_steps  # step count at the last consumed synchronisation
@@ -331,6 +305,16 @@ class SSDSGD(Optimizer):
 
     # ------------------------------------------------------------------ set-up
 
+    def _check_group(self, group: dict) -> None:
+        check_float("lr", group["lr"], low=0.0)
+        check_float("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
+        check_float("weight_decay", group["weight_decay"], low=0.0)
+        check_float("local_lr_mult", group["local_lr_mult"], low=0.0)
+        if group["local_weight_decay"] is not None:
+            check_float("local_weight_decay", group["local_weight_decay"], low=0.0)
+        check_float("glu_alpha", group["glu_alpha"])
+        check_float("glu_beta", group["glu_beta"])
+
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_building", False):
             raise RuntimeError("SSDSGD packs its parameters at construction: pass every group to it")
@@ -340,20 +324,14 @@ class SSDSGD(Optimizer):
                     f"{key!r} is not a per-group setting of SSDSGD (those are {', '.join(_GROUP_KEYS)})"
                 )
         super().add_param_group(param_group)
-        try:
-            _check_group_hyperparameters(self.param_groups[-1])
-        except Exception:
-            self.param_groups.pop()
-            raise
 
     def _check_parameters(self) -> None:
+        """Across groups: one dtype, one device, dense, some elements (each group is checked as it is added)."""
         params = [p for group in self.param_groups for p in group["params"]]
         if not params:
             raise ValueError("SSDSGD got no parameters")
         first = params[0]
         for p in params:
-            if not p.is_floating_point() or p.is_complex():
-                raise ValueError(f"SSDSGD needs real floating-point parameters, got {p.dtype}")
             if p.dtype != first.dtype:
                 raise ValueError(f"all parameters must share one dtype, found {first.dtype} and {p.dtype}")
             if p.device != first.device:
@@ -377,49 +355,43 @@ class SSDSGD(Optimizer):
                 chosen.append(b)
         return chosen
 
-    def _config_fields(self, buffers) -> list[tuple[str, object]]:
+    def _settings(self, buffers) -> dict[str, object]:
+        """What every rank must hold alike (the agreement check)."""
         groups = self.param_groups
-        return [
-            ("the number of parameter groups", len(groups)),
-            ("the parameter shapes", [[tuple(p.shape) for p in g["params"]] for g in groups]),
-            ("the parameter dtype", str(groups[0]["params"][0].dtype)),
-            *[(key, [g[key] for g in groups]) for key in _GROUP_KEYS],
-            ("delay_steps", self.delay_steps),
-            ("warmup_steps", self.warmup_steps),
-            ("comm", self.comm_mode),
-            ("on_nonfinite", self.on_nonfinite),
-            ("the sync_buffers' shapes", [(tuple(b.shape), str(b.dtype)) for b in buffers]),
-        ]
-
-    def _agree(self, fields: list[tuple[str, object]], advice: str, label: str = "config_check") -> None:
-        """One all-reduce (max of each hash and of its negation): raise on every rank if any field differs."""
-        hashes = torch.tensor([_digest(value) for _, value in fields], dtype=torch.int64)
-        both = torch.cat([hashes, -hashes]).to(self.param_groups[0]["params"][0].device)
-        self._wait(self.comm.all_reduce(both, label=label, op=dist.ReduceOp.MAX, async_op=True),
-                   "the agreement check")
-        both = both.cpu()
-        n = len(fields)
-        differing = [i for i in range(n) if int(both[i]) != -int(both[n + i])]
-        if differing:
-            names = ", ".join(fields[i][0] for i in differing)
-            mine = "; ".join(f"{fields[i][0]} = {fields[i][1]!r}" for i in differing)
-            raise ValueError(f"SSDSGD: ranks disagree on {names} (rank {self.rank} has {mine}); {advice}")
+        return {
+            "the number of parameter groups": len(groups),
+            "the parameter shapes": [[tuple(p.shape) for p in g["params"]] for g in groups],
+            "the parameter dtype": str(groups[0]["params"][0].dtype),
+            **{key: [g[key] for g in groups] for key in _GROUP_KEYS},
+            "delay_steps": self.delay_steps,
+            "warmup_steps": self.warmup_steps,
+            "comm": self.comm_mode,
+            "on_nonfinite": self.on_nonfinite,
+            "the sync_buffers' shapes": [(tuple(b.shape), str(b.dtype)) for b in buffers],
+        }
 
     def _allocate_state(self) -> None:
+        """One packed group across all parameter groups; ``state[p]`` holds views of its slices."""
         d = self._flat.numel
         dtype = torch.float64 if self._flat.buffer.dtype == torch.float64 else torch.float32
         device = self._flat.buffer.device
         self._state_dtype = dtype
         b = sum(t.numel() for t in self._sync_buffers)
-        self._grad = torch.zeros(d + CHECK_ELEMENTS, dtype=dtype, device=device)
-        self._pre = torch.zeros(d, dtype=dtype, device=device)
-        self._sync_momentum = torch.zeros(d, dtype=dtype, device=device)
-        # [shadow (or replica) weight | its momentum | sync buffers | agreement check]
-        self._sync = torch.zeros(2 * d + b + CHECK_ELEMENTS, dtype=dtype, device=device)
-        self._server_weight = self._sync[:d]
-        self._server_momentum = self._sync[d : 2 * d]
-        self._trailer_buffers = self._sync[2 * d : 2 * d + b]
-        self._trailer_check = self._sync[2 * d + b :]
+        # [shadow (or replica) weight | its momentum | sync buffers | agreement check]: one all-reduce
+        sync = torch.zeros(2 * d + b + CHECK_ELEMENTS, dtype=dtype, device=device)
+        packed = PackedGroup(
+            self._flat.layout,
+            state=dict(pre_weight=torch.zeros(d, dtype=dtype, device=device), server_state=sync,
+                       sync_momentum=torch.zeros(d, dtype=dtype, device=device)),
+            work=dict(grad=torch.zeros(d + CHECK_ELEMENTS, dtype=dtype, device=device)),
+        )
+        self._packed["all"] = packed
+        self._grad, self._pre, self._sync_momentum = packed.grad, packed.pre_weight, packed.sync_momentum
+        self._sync = sync
+        self._server_weight = sync[:d]
+        self._server_momentum = sync[d : 2 * d]
+        self._trailer_buffers = sync[2 * d : 2 * d + b]
+        self._trailer_check = sync[2 * d + b :]
         views = {
             "pre_weight": self._flat.views(self._pre),
             "shadow_weight": self._flat.views(self._server_weight),
@@ -478,12 +450,9 @@ class SSDSGD(Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One SSD-SGD iteration on this rank's own gradients (see the module docstring)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate_closure(closure)
         self._flat.check_bound()
-        self._check_grads()
+        self._check_gradients()
         scalars = self._group_scalars()
         with nvtx_range(f"{_ALGO}/pack"):
             self._flat.pack_grads(self._grad)
@@ -499,35 +468,20 @@ class SSDSGD(Optimizer):
                 self._per_step_step(scalars)
         return loss
 
-    def _check_grads(self) -> None:
-        for p in self._flat.params:
-            g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError("SSDSGD does not support sparse gradients")
-            if g.shape != p.shape:
-                raise RuntimeError(
-                    f"a gradient has shape {tuple(g.shape)} but its parameter has shape {tuple(p.shape)}"
-                )
-            if not g.is_floating_point() or g.is_complex():
-                raise RuntimeError(f"SSDSGD needs real floating-point gradients, got {g.dtype}")
+    def _check_gradients(self) -> None:
+        with_grad = [p for p in self._flat.params if p.grad is not None]
+        self._check_grads(with_grad)
+        for p in with_grad:  # a parameter's grad_dtype may let an integer gradient in
+            if not p.grad.is_floating_point():
+                raise RuntimeError(f"SSDSGD needs real floating-point gradients, got {p.grad.dtype}")
 
     def _group_scalars(self) -> list[dict]:
-        """The scalars of this iteration per group (validated: a scheduler may have changed them)."""
+        """The op's scalars of this iteration per group (validated: a scheduler may have changed them)."""
         out = []
         for group in self.param_groups:
-            _check_group_hyperparameters(group)
-            lr, m = float(group["lr"]), float(group["momentum"])
-            wd_local = group["local_weight_decay"]
-            out.append(dict(
-                lr=lr, momentum=m, weight_decay=float(group["weight_decay"]),
-                local_lr=float(group["local_lr_mult"]) * lr,
-                local_weight_decay=float(group["weight_decay"] if wd_local is None else wd_local),
-                glu_alpha=float(group["glu_alpha"]), glu_beta=float(group["glu_beta"]),
-                # grad_sync's (1 - m) / (lr k); a zero learning rate moves nothing to estimate.
-                sync_coef=(1.0 - m) / (lr * self.delay_steps) if lr > 0 else 0.0,
-            ))
+            self._check_group(group)
+            out.append(ssd_sgd_step_scalars(**{key: group[key] for key in _GROUP_KEYS},
+                                            delay_steps=self.delay_steps))
         return out
 
     def _step_crc(self, scalars: list[dict], crc: int = 0) -> int:
@@ -542,8 +496,7 @@ class SSDSGD(Optimizer):
     def _warmup_step(self, scalars: list[dict]) -> None:
         d = self._flat.numel
         self._write_check(self._grad[d:], self._step_crc(scalars))
-        work = self.comm.all_reduce(self._grad, label="warmup_grad_allreduce", async_op=True)
-        self._wait(work, "the warm-up gradient all-reduce")
+        self._collectives.all_reduce(self._grad, label="warmup_grad_allreduce", async_op=True).wait()
         if not self._check_agrees(self._grad[d:]):
             raise ValueError(self._mismatch_message(self._steps, self._steps + 1, discarded=False))
         mean = self._grad[:d].div_(self.world_size)
@@ -551,14 +504,12 @@ class SSDSGD(Optimizer):
         for index, s in enumerate(scalars):
             w = self._flat.group_slice(self._flat.buffer, index)
             mom = self._flat.group_slice(self._server_momentum, index)
-            g = self._flat.group_slice(mean, index)
-            w_wide = w.to(mom.dtype)
-            new_mom = mom * s["momentum"] - s["lr"] * (g + s["weight_decay"] * w_wide)
-            updates.append((w, mom, (w_wide + new_mom).to(w.dtype), new_mom))
+            new_w, new_mom = server_momentum_sgd(w, mom, self._flat.group_slice(mean, index), lr=s["lr"],
+                                                 momentum=s["momentum"], weight_decay=s["weight_decay"])
+            updates.append((w, mom, new_w, new_mom))
         finite = torch.stack([torch.isfinite(t).all() for u in updates for t in u[2:]]).all()
         if not bool(finite):
-            self._nonfinite(f"the averaged gradient or the update at step {self._steps} is not finite; "
-                            "nothing was modified", skipped=1)
+            self._refuse_step(f"the averaged gradient or the update at step {self._steps} is not finite")
             return
         for w, mom, new_w, new_mom in updates:
             w.copy_(new_w)
@@ -585,7 +536,7 @@ class SSDSGD(Optimizer):
         scale = self._sync_scale if pulled else 1.0
         with nvtx_range(f"{_ALGO}/local_update"):
             for index, s in enumerate(scalars):
-                ops.ssd_sgd_step(
+                ssd_sgd_step(
                     self._flat.group_slice(self._flat.buffer, index),
                     self._flat.group_slice(self._grad, index),
                     self._flat.group_slice(self._pre, index),
@@ -606,14 +557,14 @@ class SSDSGD(Optimizer):
                 self._trailer_buffers.copy_(torch.cat([b.reshape(-1).to(self._state_dtype)
                                                        for b in self._sync_buffers]))
             self._write_check(self._trailer_check, self._window_crc)
-            self._work = self.comm.all_reduce(self._sync, label="shadow_sync_allreduce", async_op=True)
+            self._work = self._collectives.all_reduce(self._sync, label="shadow_sync_allreduce", async_op=True)
         self._window_crc = 0
         self._sync_state = "in_flight"
 
     def _complete_sync(self) -> None:
         with nvtx_range(f"{_ALGO}/sync_wait"):
             work, self._work = self._work, None
-            self._wait(work, f"the synchronisation launched at step {self._steps}")
+            work.wait()
         d = self._flat.numel
         if not self._check_agrees(self._trailer_check):
             self._verdict = "mismatch"
@@ -639,7 +590,7 @@ class SSDSGD(Optimizer):
         bad = []
         with nvtx_range(f"{_ALGO}/local_update"):
             for index, s in enumerate(scalars):
-                bad.append(ops.ssd_sgd_step(
+                bad.append(ssd_sgd_step(
                     self._flat.group_slice(self._flat.buffer, index),
                     self._flat.group_slice(self._grad, index),
                     self._flat.group_slice(self._pre, index),
@@ -649,7 +600,7 @@ class SSDSGD(Optimizer):
         if int(torch.stack(bad).sum()):  # a local overflow: make every rank see it in the mean
             send[0] = float("nan")
         self._write_check(send[d:], self._step_crc(scalars))
-        work = self.comm.all_reduce(send, label="per_step_grad_allreduce", async_op=True)
+        work = self._collectives.all_reduce(send, label="per_step_grad_allreduce", async_op=True)
         self._pending.append((send, work, scalars, self._steps))
         self._steps += 1
         if (self._steps - self.warmup_steps) % self.delay_steps == 0:
@@ -662,13 +613,14 @@ class SSDSGD(Optimizer):
         with nvtx_range(f"{_ALGO}/server_replica"):
             while self._pending:
                 send, work, scalars, step = self._pending.popleft()
-                self._wait(work, f"the gradient all-reduce of step {step}")
+                work.wait()
                 if self._verdict is not None:
                     continue
                 if not self._check_agrees(send[d:]):
                     self._verdict = "mismatch"
                     continue
                 mean = send[:d].div_(self.world_size)
+                # The server rule in place: the replica needs no trial copy (a non-finite state is caught below).
                 for index, s in enumerate(scalars):
                     w = self._flat.group_slice(self._server_weight, index)
                     mom = self._flat.group_slice(self._server_momentum, index)
@@ -706,14 +658,15 @@ class SSDSGD(Optimizer):
             self._pull_due = True
         if verdict == "mismatch":
             raise ValueError(self._mismatch_message(first, last, discarded=True))
-        self._nonfinite(
+        self._discard_window(
             f"a gradient or local update was not finite on some rank during steps {first}..{last - 1}; "
             "that window was discarded on every rank and the parameters reset to the last "
             "synchronised global weights",
             skipped=last - first,
         )
 
-    def _nonfinite(self, problem: str, *, skipped: int) -> None:
+    def _discard_window(self, problem: str, *, skipped: int) -> None:
+        """``on_nonfinite`` for a window already discarded: it counts all of its steps as skipped."""
         if self.on_nonfinite == "raise":
             raise FloatingPointError(f"SSDSGD: {problem}")
         self.skipped_steps += skipped
@@ -744,15 +697,6 @@ class SSDSGD(Optimizer):
             b.copy_((flat[start : start + n] * scale).view(b.shape))
             start += n
 
-    def _wait(self, work, what: str) -> None:
-        try:
-            work.wait()
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"SSDSGD: {what} did not complete on rank {self.rank}: another rank stopped early or "
-                f"failed, or the process group's timeout passed ({error})"
-            ) from error
-
     # ------------------------------------------------------------------ checkpoints
 
     def _flush(self) -> None:
@@ -774,7 +718,7 @@ class SSDSGD(Optimizer):
         state["ssd_sgd"] = dict(
             rank=self.rank, world_size=self.world_size, comm=self.comm_mode,
             delay_steps=self.delay_steps, warmup_steps=self.warmup_steps,
-            steps=self._steps, skipped_steps=self.skipped_steps, delay_ready=self._delay_ready,
+            steps=self._steps, delay_ready=self._delay_ready,
             window_start=self._window_start, window_crc=self._window_crc,
             sync_state=self._sync_state, sync_scale=self._sync_scale, verdict=self._verdict,
             resolved=self._resolved, pull_due=self._pull_due,
@@ -783,7 +727,7 @@ class SSDSGD(Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a state dict this rank saved; checks with one collective that ranks agree."""
+        """Restore a state dict this rank saved; checks with the agreement check that ranks agree."""
         if not isinstance(state_dict, dict) or "ssd_sgd" not in state_dict:
             raise ValueError("not an SSDSGD state dict (no 'ssd_sgd' entry)")
         extra = state_dict["ssd_sgd"]
@@ -795,27 +739,25 @@ class SSDSGD(Optimizer):
                     "SSDSGD's state is per rank: load each rank's own state dict into an optimizer "
                     "built with the same settings"
                 )
+        skipped = state_dict.get("skipped_steps", 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"skipped_steps must be an int >= 0, got {skipped!r}")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(groups)} parameter groups, this optimizer "
                              f"{len(self.param_groups)}")
         for group in groups:
-            _check_group_hyperparameters({**self.defaults, **group})
+            self._check_group({**self.defaults, **group})
         params = self._flat.params
         saved_ids = [i for g in groups for i in g["params"]]
         if len(saved_ids) != len(params):
             raise ValueError(f"the state dict holds {len(saved_ids)} parameters, this optimizer {len(params)}")
-        saved = {}
-        for index, p in zip(saved_ids, params):
-            entry = state_dict["state"].get(index)
-            if entry is None:
+        entries = [state_dict["state"].get(index) for index in saved_ids]
+        for index, entry in zip(saved_ids, entries):
+            if not entry:
                 raise ValueError(f"the state dict has no state for parameter {index}")
-            for name in _STATE_NAMES + ("local_weight",):
-                t = entry.get(name)
-                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
-                    raise ValueError(f"state {name!r} of parameter {index} is missing or not shaped "
-                                     f"like its parameter {tuple(p.shape)}")
-            saved[p] = entry
+        _CHECKPOINT.check("SSDSGD", params, entries)
+        saved = dict(zip(params, entries))
         trailer = extra["trailer"]
         if not isinstance(trailer, torch.Tensor) or trailer.numel() != self._sync.numel() - 2 * self._flat.numel:
             raise ValueError("the state dict's sync trailer does not match this optimizer's sync_buffers")
@@ -825,18 +767,20 @@ class SSDSGD(Optimizer):
                             for p in params]).to(self._state_dtype)
         server_is_global = extra["comm"] == "per_step" or extra["sync_state"] == "ready"
         self._flush()  # a collective this rank launched must complete before the state changes
-        self._agree(
-            self._config_fields(self._sync_buffers) + [
-                ("the saved hyperparameters", [[g.get(k) for k in _GROUP_KEYS] for g in groups]),
-                ("the step counters", (extra["steps"], extra["window_start"], extra["delay_ready"],
-                                       extra["sync_state"], extra["verdict"], extra["pull_due"])),
-                ("the pre-weight", _tensor_digest(pre)),
-                ("the synchronised momentum", _tensor_digest(sync_mom)),
-                ("the synchronised server state", _tensor_digest(server) if server_is_global else ""),
-            ],
-            "load each rank's state dict from one checkpoint",
-            label="load_state_dict_check",
-        )
+        settings = {
+            **self._settings(self._sync_buffers),
+            "the saved hyperparameters": [[g.get(k) for k in _GROUP_KEYS] for g in groups],
+            "the step counters": (extra["steps"], extra["window_start"], extra["delay_ready"],
+                                  extra["sync_state"], extra["verdict"], extra["pull_due"]),
+            "the pre-weight": _tensor_digest(pre),
+            "the synchronised momentum": _tensor_digest(sync_mom),
+            "the synchronised server state": _tensor_digest(server) if server_is_global else "",
+        }
+        try:
+            check_ranks_agree("SSDSGD", settings, comm=self._collectives, group=self.process_group,
+                              device=self._flat.buffer.device, label="load_state_dict_check")
+        except ValueError as error:
+            raise ValueError(f"{error}; load each rank's state dict from one checkpoint") from error
         with torch.no_grad():
             for group, saved_group in zip(self.param_groups, groups):
                 group.update({k: v for k, v in saved_group.items() if k != "params"})
@@ -848,7 +792,7 @@ class SSDSGD(Optimizer):
         self._work = None
         self._pending.clear()
         self._steps = int(extra["steps"])
-        self.skipped_steps = int(extra["skipped_steps"])
+        self.skipped_steps = int(skipped)
         self._delay_ready = bool(extra["delay_ready"])
         self._window_start = int(extra["window_start"])
         self._window_crc = int(extra["window_crc"])
@@ -857,3 +801,7 @@ class SSDSGD(Optimizer):
         self._verdict = extra["verdict"]
         self._resolved = bool(extra["resolved"])
         self._pull_due = bool(extra["pull_due"])
+
+    def __reduce__(self):
+        raise TypeError("SSDSGD holds a process group and cannot be copied or pickled; save its state_dict "
+                        "on every rank instead")

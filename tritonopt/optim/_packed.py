@@ -226,6 +226,14 @@ class PackedOptimizer(Optimizer):
                     f"a gradient has shape {tuple(p.grad.shape)} but its parameter has shape {tuple(p.shape)}"
                 )
 
+    @staticmethod
+    def _evaluate_closure(closure: Optional[Callable[[], float]]):
+        """``closure()`` with gradients enabled (``step`` runs under ``no_grad``); None without a closure."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     # ------------------------------------------------------------------ the non-finite policy
 
     def _stateless_params(self) -> list[torch.Tensor]:

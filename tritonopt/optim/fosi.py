@@ -695,10 +695,7 @@ class FOSI(PackedOptimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One FOSI update (an ESE first when one is due); ``closure`` re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate_closure(closure)
         # Hyperparameters a user or a scheduler set since the last step: checked before anything changes.
         settings = self._check_settings()
         params = self._trainable()

@@ -365,3 +365,66 @@ __all__ += [
     "fosi_uniform",
     "fosi_update",
 ]
+
+
+# --------------------------------------------------------------------------- SSD-SGD
+#
+# SSD-SGD (Xu et al., sec. 3): the parameter server applies momentum SGD in MXNet's
+# convention (``sgd_mom_update``) to the mean of the workers' gradients; in the delay
+# stage each worker's step is the GLU update of Eq. 8 fused with that server rule on
+# the worker's own shadow copy of the server (tritonopt.ops.ssd_sgd_step), whose
+# scalars :func:`ssd_sgd_step_scalars` derives from the hyperparameters.
+
+
+def server_momentum_sgd(
+    weight: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the server's momentum SGD, out of place: returns ``(w', mom')``::
+
+        mom' = momentum * mom - lr * (grad + weight_decay * w)
+        w'   = w + mom'
+
+    computed in ``momentum_buffer``'s dtype (``weight`` is widened to it, and ``w'``
+    rounded back to ``weight``'s dtype once). Nothing is modified, so a caller can
+    check the result before it commits it. Tensors of one shape (SSD-SGD: ``[d]``
+    slices of its flat buffers).
+    """
+    wide = weight.to(momentum_buffer.dtype)
+    new_momentum = momentum_buffer * momentum - lr * (grad + weight_decay * wide)
+    return (wide + new_momentum).to(weight.dtype), new_momentum
+
+
+def ssd_sgd_step_scalars(
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    local_lr_mult: float,
+    local_weight_decay: Optional[float],
+    glu_alpha: float,
+    glu_beta: float,
+    delay_steps: int,
+) -> dict[str, float]:
+    """The scalar arguments of :func:`tritonopt.ops.ssd_sgd_step` for one parameter group.
+
+    ``local_lr = local_lr_mult * lr``; ``local_weight_decay`` is ``weight_decay``
+    when None; ``sync_coef = (1 - momentum) / (lr * delay_steps)``, the factor that
+    turns two pulled weights into ``grad_sync`` (sec. 3.2.1), and 0 when ``lr`` is 0
+    (a zero learning rate moves nothing to estimate from).
+    """
+    lr, momentum = float(lr), float(momentum)
+    return dict(
+        lr=lr, momentum=momentum, weight_decay=float(weight_decay), local_lr=float(local_lr_mult) * lr,
+        local_weight_decay=float(weight_decay if local_weight_decay is None else local_weight_decay),
+        glu_alpha=float(glu_alpha), glu_beta=float(glu_beta),
+        sync_coef=(1.0 - momentum) / (lr * delay_steps) if lr > 0 else 0.0,
+    )
+
+
+__all__ += ["server_momentum_sgd", "ssd_sgd_step_scalars"]

@@ -133,10 +133,7 @@ class SparseAdaGrad(PackedOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate_closure(closure)
 
         # Validate and pack every group before any parameter or state changes.
         stateless = self._stateless_params()

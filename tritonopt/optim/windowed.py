@@ -266,10 +266,7 @@ class WindowedPreconditioner(PackedOptimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One optimization step; ``closure`` (optional) re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate_closure(closure)
 
         # Validate and pack every window before any parameter or state changes.
         self._check_group_set(self.param_groups)
