@@ -86,7 +86,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tritonopt import ops
+from tritonopt.ops import densify_blocks, ef_topk, lowrank_ef
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import FLOAT_DTYPES, check_float, check_int, check_tensor
 from tritonopt.dist._comm import CountingCommunicator
@@ -262,11 +262,11 @@ def _compress_topk(record: _TopKBucket, buffer: torch.Tensor) -> tuple[torch.Ten
         blocks = blocks.view(record.num_blocks, record.block_size)
     finite = torch.isfinite(buffer).all()
     if record.k_last == record.k:
-        indices, values = ops.ef_topk(blocks, record.error, record.k)
+        indices, values = ef_topk(blocks, record.error, record.k)
         indices, values = indices.view(-1), values.view(-1)
     else:
-        head_indices, head_values = ops.ef_topk(blocks[:-1], record.error[:-1], record.k)
-        last_indices, last_values = ops.ef_topk(blocks[-1:], record.error[-1:], record.k_last)
+        head_indices, head_values = ef_topk(blocks[:-1], record.error[:-1], record.k)
+        last_indices, last_values = ef_topk(blocks[-1:], record.error[-1:], record.k_last)
         indices = torch.cat([head_indices.view(-1), last_indices.view(-1)])
         values = torch.cat([head_values.view(-1), last_values.view(-1)])
     # A non-finite gradient is sent (the average shows it) but not remembered.
@@ -344,13 +344,13 @@ def ef_topk_hook(state: EFTopKState, bucket: dist.GradBucket) -> torch.futures.F
                 received_indices, received_values = layout.unpack(segment)
                 received_values = received_values.div(world)
                 if record.k_last == record.k:
-                    dense = ops.densify_blocks(received_indices.view(-1, record.k),
+                    dense = densify_blocks(received_indices.view(-1, record.k),
                                                received_values.view(-1, record.k), record.block_size)
                 else:
                     dense = torch.cat([
-                        ops.densify_blocks(received_indices[:full].view(-1, record.k),
+                        densify_blocks(received_indices[:full].view(-1, record.k),
                                            received_values[:full].view(-1, record.k), record.block_size),
-                        ops.densify_blocks(received_indices[full:].view(1, -1),
+                        densify_blocks(received_indices[full:].view(1, -1),
                                            received_values[full:].view(1, -1), record.block_size),
                     ])
                 total = dense if total is None else total.add_(dense)
@@ -462,7 +462,7 @@ def lowrank_ef_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futur
             matrix = grad.reshape(n, m)
             matrix = matrix if matrix.is_contiguous() else matrix.contiguous()
             finite = torch.isfinite(matrix).all()
-            p, q = ops.lowrank_ef(matrix, tensor_state.error, tensor_state.q)
+            p, q = lowrank_ef(matrix, tensor_state.error, tensor_state.q)
             # A non-finite gradient is sent (the average shows it) but not remembered.
             tensor_state.error.masked_fill_(~finite, 0.0)
             tensor_state.q = torch.where(finite, q, tensor_state.initial_q)
