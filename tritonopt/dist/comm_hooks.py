@@ -137,7 +137,7 @@ class _HookState:
 
 def _check_call(state, state_class, bucket) -> torch.Tensor:
     if not isinstance(state, state_class):
-        raise TypeError(f"state must be a {state_class.__name__}, got {type(state).__name__}")
+        raise TypeError(f"state must be an instance of {state_class.__name__}, got {type(state).__name__}")
     if not isinstance(bucket, dist.GradBucket):
         raise TypeError(f"bucket must be a torch.distributed.GradBucket, got {type(bucket).__name__}")
     buffer = bucket.buffer()
