@@ -23,6 +23,7 @@ SMOKE_OUTPUTS = {
     "bench_lowrank": ["lowrank.csv"],
     "bench_optimizer_step": ["optimizer_step.csv"],
     "bench_sparse_ring": ["sparse_ring.csv"],
+    "comm_hooks_experiment": ["comm_hooks.csv", "comm_hooks.md"],
     "demo_digits": ["demo_digits.csv", "demo_digits_curves.csv", "demo_digits.md"],
     "efcp_experiment": ["efcp.csv", "efcp_summary.md"],
     "fosi_experiment": ["fosi_e1.csv", "fosi_digits.csv", "fosi_dist.csv", "fosi_comm.csv", "fosi_summary.md"],
