@@ -396,6 +396,7 @@ def test_an_unsupported_gradient_dtype_is_named(results):
     (lambda: lowrank_ef_hook(LowRankState(), None), TypeError, "bucket must be a torch.distributed.GradBucket"),
     (lambda: EFTopKState().bucket_error(-1), ValueError, "index must be an int >= 0"),
     (lambda: LowRankState().parameter_error("w"), TypeError, "parameter must be a torch.Tensor"),
+    (lambda: LowRankState().compressed_shape((4, -1)), ValueError, "shape must be a sequence of non-negative ints"),
 ])
 def test_bad_arguments_raise_named_errors(make, error, match):
     with pytest.raises(error, match=match):

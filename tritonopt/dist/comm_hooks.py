@@ -86,10 +86,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tritonopt.ops import densify_blocks, ef_topk, lowrank_ef
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import FLOAT_DTYPES, check_float, check_int, check_tensor
 from tritonopt.dist._comm import CountingCommunicator
+from tritonopt.ops import densify_blocks, ef_topk, lowrank_ef
 
 __all__ = ["EFTopKState", "LowRankState", "ef_topk_hook", "lowrank_ef_hook"]
 
@@ -344,14 +344,14 @@ def ef_topk_hook(state: EFTopKState, bucket: dist.GradBucket) -> torch.futures.F
                 received_indices, received_values = layout.unpack(segment)
                 received_values = received_values.div(world)
                 if record.k_last == record.k:
-                    dense = densify_blocks(received_indices.view(-1, record.k),
-                                               received_values.view(-1, record.k), record.block_size)
+                    dense = densify_blocks(received_indices.view(-1, record.k), received_values.view(-1, record.k),
+                                           record.block_size)
                 else:
                     dense = torch.cat([
                         densify_blocks(received_indices[:full].view(-1, record.k),
-                                           received_values[:full].view(-1, record.k), record.block_size),
-                        densify_blocks(received_indices[full:].view(1, -1),
-                                           received_values[full:].view(1, -1), record.block_size),
+                                       received_values[:full].view(-1, record.k), record.block_size),
+                        densify_blocks(received_indices[full:].view(1, -1), received_values[full:].view(1, -1),
+                                       record.block_size),
                     ])
                 total = dense if total is None else total.add_(dense)
             buffer.copy_(total.view(-1)[: record.numel])
@@ -406,6 +406,8 @@ class LowRankState(_HookState):
     def compressed_shape(self, shape) -> Optional[tuple[int, int, int]]:
         """``(n, m, r)`` for a gradient of ``shape`` that this state compresses, else None."""
         shape = tuple(shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(f"shape must be a sequence of non-negative ints, got {shape}")
         if len(shape) < 2:
             return None
         n = shape[0]
