@@ -356,6 +356,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The ranks run one thread each; the parent too, so that the recorded device says so.
+    torch.set_num_threads(1)
     if args.smoke:
         args.epochs, args.seeds, args.warmup = 1, [0], SMOKE_WARMUP
     out_dir = harness.output_dir(args.out, DEFAULT_OUT, smoke=args.smoke, name=NAME)
