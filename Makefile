@@ -55,6 +55,7 @@ experiments: install
 	$(PY) -m perf.fosi_experiment
 	$(PY) -m perf.ssd_sgd_experiment
 	$(PY) -m perf.dsp_experiment
+	$(PY) -m perf.comm_hooks_experiment
 
 # Kernel and optimizer-step benchmarks; on a machine without CUDA they time the reference
 # path only, into perf/results/cpu/ (not committed).

@@ -25,6 +25,7 @@ SMOKE_OUTPUTS = {
     "bench_sgd_momentum": ["sgd_momentum.csv"],
     "bench_sparse_ring": ["sparse_ring.csv"],
     "bench_ssd_sgd": ["ssd_sgd.csv"],
+    "comm_hooks_experiment": ["comm_hooks.csv", "comm_hooks.md"],
     "demo_digits": ["demo_digits.csv", "demo_digits_curves.csv", "demo_digits.md"],
     "dsp_experiment": ["dsp_runs.csv", "dsp_summary.csv", "dsp_summary.md"],
     "efcp_experiment": ["efcp.csv", "efcp_summary.md"],

@@ -11,6 +11,8 @@
 ``DSPStage``                one DSP pipeline stage per rank (layer-wise staleness)
 ``simulate_dsp``            the same DSP arithmetic in one process (``DSPSimulator``)
 ``split_stages``            cut a model into the blocks of a pipeline
+``ef_topk_hook``            DDP communication hook: error-feedback blockwise Top-k (``EFTopKState``)
+``lowrank_ef_hook``         DDP communication hook: error-feedback low rank (``LowRankState``)
 ==========================  =====================================================
 
 Every layer uses ``torch.distributed`` collectives only (NCCL on GPU, gloo on
@@ -25,6 +27,7 @@ stream, ``isend``/``irecv`` between neighbouring ranks). The layers that take a
 
 from tritonopt.dist._collective_guard import CollectiveFailure
 from tritonopt.dist._comm import CollectiveStats, CountingCommunicator
+from tritonopt.dist.comm_hooks import EFTopKState, LowRankState, ef_topk_hook, lowrank_ef_hook
 from tritonopt.dist.dho2 import DHO2, MRDHO2
 from tritonopt.dist.dsp import DSPConfigurationError, DSPPeerError, DSPStage
 from tritonopt.dist.dsp_sim import DSPSimulator, simulate_dsp
@@ -42,13 +45,17 @@ __all__ = [
     "DSPPeerError",
     "DSPSimulator",
     "DSPStage",
+    "EFTopKState",
     "KAISAAssignment",
     "KAISACollectiveError",
     "KAISAPreconditioner",
+    "LowRankState",
     "MRDHO2",
     "SSDSGD",
     "Strategy",
     "distributed_lanczos",
+    "ef_topk_hook",
+    "lowrank_ef_hook",
     "reconstruct_columns",
     "simulate_dsp",
     "split_stages",

@@ -1,0 +1,412 @@
+"""The compressed DDP communication hooks on 2 gloo ranks (one spawn for the module).
+
+Every scenario trains a small MLP whose layers are registered in another order
+than backward reaches them, with buckets of about 1 KB, so DDP's rebuild after
+the first iteration changes which parameters each bucket holds. A wrapper
+around each hook logs, per call, the rank's gradient before the hook, the
+averaged result, and the per-parameter error after it; the parent checks the
+error-feedback identities on those logs with bounds derived from float32
+rounding (``u = 2**-24``).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _distributed import run_on_ranks
+from torch import nn
+
+import tritonopt
+from tritonopt.dist import EFTopKState, LowRankState, ef_topk_hook, lowrank_ef_hook
+
+WORLD = 2
+STEPS = 4
+BUCKET_CAP_MB = 0.001  # ~1 KB: one bucket per layer after the rebuild (one bucket before it)
+# k = 13 per block; a partial last block keeps ceil(0.1 * length). Blocks are few: each costs the
+# Triton interpreter about 0.15 s.
+TOPK = dict(density=0.1, block_size=128)
+LOWRANK = dict(rank=2, warmup_iters=1)  # min_compression_rate 2: the 12x6 layer stays uncompressed
+UNIT_ROUNDOFF = 2.0**-24
+
+
+class MisorderedMLP(nn.Module):
+    """6 -> 12 -> 24 -> 10, its layers registered last-first (backward reaches them in another order)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head = nn.Linear(24, 10)
+        self.body = nn.Linear(12, 24)
+        self.stem = nn.Linear(6, 12)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(torch.relu(self.stem(x)))))
+
+
+def batches(rank: int, steps: int):
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    return [(torch.randn(8, 6, generator=gen), torch.randint(0, 10, (8,), generator=gen)) for _ in range(steps)]
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _topk_errors(state: EFTopKState, bucket) -> dict[str, torch.Tensor]:
+    flat = state.bucket_error(bucket.index())
+    errors, offset = {}, 0
+    for parameter in bucket.parameters():
+        errors[id(parameter)] = flat[offset : offset + parameter.numel()].view(parameter.shape)
+        offset += parameter.numel()
+    return errors
+
+
+def _lowrank_errors(state: LowRankState, bucket) -> dict[int, torch.Tensor]:
+    errors = {}
+    for parameter in bucket.parameters():
+        error = state.parameter_error(parameter)
+        if error is not None:
+            errors[id(parameter)] = error.view(parameter.shape)
+    return errors
+
+
+def recording(hook, errors_of, log: list, names: dict[int, str], poison=None):
+    """``hook`` wrapped to append one entry per call to ``log``; ``poison(iteration, bucket)`` may edit the
+    gradient before the hook sees it."""
+
+    def wrapper(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        iteration, warmup = state.iteration, state.iteration < state.warmup_iters
+        if poison is not None:
+            poison(iteration, bucket)
+        params = bucket.parameters()
+        grads = {names[id(p)]: g.clone() for p, g in zip(params, bucket.gradients())}
+        future = hook(state, bucket)
+
+        def record(fut):
+            buffer = fut.value()
+            outs = {names[id(p)]: g.clone() for p, g in zip(params, bucket.gradients())}
+            errors = {} if warmup else {names[i]: e.clone() for i, e in errors_of(state, bucket).items()}
+            log.append(dict(iteration=iteration, index=bucket.index(), warmup=warmup,
+                            layout=[(names[id(p)], tuple(p.shape)) for p in params],
+                            grads=grads, outs=outs, errors=errors))
+            return buffer
+
+        return future.then(record)
+
+    return wrapper
+
+
+def train(model, ddp, data, steps):
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data[:steps]:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        if all(torch.isfinite(p.grad).all() for p in model.parameters()):  # skipped otherwise, as GradScaler does
+            optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def run_hook(hook, errors_of, state, rank, steps=STEPS, poison=None):
+    model = MisorderedMLP()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+    log = []
+    ddp.register_comm_hook(state, recording(hook, errors_of, log, _names(model), poison))
+    params = train(model, ddp, batches(rank, steps), steps)
+    return dict(params=params, log=log, stats={k: vars(v) for k, v in state.communicator.stats().items()},
+                initial=torch.cat([p.detach().reshape(-1) for p in MisorderedMLP().parameters()]))
+
+
+def density_one_against_default(rank):
+    """Per step, the default DDP and the hook at density 1 average the same local gradients."""
+    default_model, hook_model = MisorderedMLP(), MisorderedMLP()
+    default_ddp = nn.parallel.DistributedDataParallel(default_model, bucket_cap_mb=BUCKET_CAP_MB)
+    hook_ddp = nn.parallel.DistributedDataParallel(hook_model, bucket_cap_mb=BUCKET_CAP_MB)
+    state = EFTopKState(density=1.0, block_size=TOPK["block_size"])
+    log = []
+    hook_ddp.register_comm_hook(state, recording(ef_topk_hook, _topk_errors, log, _names(hook_model)))
+    optimizer = torch.optim.SGD(default_ddp.parameters(), lr=0.1, momentum=0.9)
+    steps = []
+    for x, y in batches(rank, 3):
+        with torch.no_grad():
+            for target, source in zip(hook_model.parameters(), default_model.parameters()):
+                target.copy_(source)
+        for ddp in (default_ddp, hook_ddp):
+            ddp.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        steps.append({name: (p.grad.clone(), q.grad.clone()) for (name, p), q in
+                      zip(default_model.named_parameters(), hook_model.parameters())})
+        optimizer.step()
+    return dict(steps=steps, log=log)
+
+
+def nonfinite_gradient(rank):
+    """Rank 0's gradient holds an infinity in the first bucket of the second iteration."""
+
+    def poison(iteration, bucket):
+        if rank == 0 and iteration == 1 and bucket.index() == 0:
+            bucket.gradients()[1].view(-1)[0] = float("inf")  # head.weight, compressed by both hooks
+
+    return {
+        name: run_hook(hook, errors_of, state, rank, steps=3, poison=poison)["log"]
+        for name, hook, errors_of, state in (
+            ("topk", ef_topk_hook, _topk_errors, EFTopKState(**TOPK)),
+            ("lowrank", lowrank_ef_hook, _lowrank_errors, LowRankState(rank=2)),
+        )
+    }
+
+
+def float64_bucket(rank):
+    model = MisorderedMLP().double()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(EFTopKState(), ef_topk_hook)
+    try:
+        ddp(torch.randn(2, 6, dtype=torch.float64)).sum().backward()
+    except Exception as error:  # DDP re-raises what the hook raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def scenarios(rank, world):
+    results = {
+        # The ops' Triton kernels (through the interpreter on CPU).
+        "topk": run_hook(ef_topk_hook, _topk_errors, EFTopKState(**TOPK), rank),
+        "lowrank": run_hook(lowrank_ef_hook, _lowrank_errors, LowRankState(**LOWRANK), rank),
+    }
+    with tritonopt.use_backend("reference"):  # the hooks' own logic, at the references' speed
+        results.update(density_one=density_one_against_default(rank), nonfinite=nonfinite_gradient(rank),
+                       float64=float64_bucket(rank))
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(WORLD, scenarios, timeout=300)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def gamma(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of a float32 sum or dot product of n terms."""
+    return n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
+
+
+def calls_by_iteration(log):
+    return sorted(log, key=lambda e: (e["iteration"], e["index"]))
+
+
+def per_parameter_steps(results, name):
+    """``{iteration: {parameter: [entry of rank 0, entry of rank 1]}}`` with each entry's tensors for it."""
+    steps = {}
+    for rank_result in results:
+        log = rank_result[name]["log"] if "log" in rank_result[name] else rank_result[name]
+        for entry in log:
+            for parameter, _ in entry["layout"]:
+                steps.setdefault(entry["iteration"], {}).setdefault(parameter, []).append(dict(
+                    warmup=entry["warmup"], grad=entry["grads"][parameter].double(),
+                    out=entry["outs"][parameter].double(), error=entry["errors"].get(parameter)))
+    return steps
+
+
+def previous_errors(steps, iteration, parameter, shape):
+    """Each rank's error for ``parameter`` after ``iteration - 1`` (zeros before the first compressed step)."""
+    if iteration - 1 in steps:
+        return [e["error"].double() if e["error"] is not None else torch.zeros(shape, dtype=torch.float64)
+                for e in steps[iteration - 1][parameter]]
+    return [torch.zeros(shape, dtype=torch.float64)] * WORLD
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", ["topk", "lowrank"])
+def test_ranks_stay_bitwise_identical_and_train(results, name):
+    first, second = (r[name]["params"] for r in results)
+    assert torch.equal(first, second)
+    assert not torch.equal(first, results[0][name]["initial"])  # the steps changed the parameters
+
+
+def test_buckets_were_rebuilt_during_the_run(results):
+    """Otherwise the carry-over of the Top-k error across DDP's rebuild would go unchecked."""
+    log = calls_by_iteration(results[0]["topk"]["log"])
+    first = [entry["layout"] for entry in log if entry["iteration"] == 0]
+    later = [entry["layout"] for entry in log if entry["iteration"] == 1]
+    assert len(first) == 1 and len(later) == 3 and sorted(sum(later, [])) == sorted(first[0])
+
+
+def test_topk_error_feedback_identity_per_parameter_and_step(results):
+    """``W out = sum_r (grad_r + error_old_r - error_new_r)``, across DDP's bucket rebuild too.
+
+    Per rank, ``a = fl(error_old + grad)`` (one rounding, ``u |a|``), then the message ``m``
+    and the new error split ``a`` exactly (each entry goes to one of them, so ``|m| <= |a|``);
+    the hook sums ``fl(m_r / W)`` over the ranks (``W - 1`` roundings) and the division by
+    ``W = 2`` is exact: ``|W out - sum_r (a_r - e_new_r)| <= (W + 2) u sum_r |error_old_r + grad_r|``.
+    """
+    steps = per_parameter_steps(results, "topk")
+    assert len(steps) == STEPS
+    kept = []
+    for iteration, parameters in steps.items():
+        for parameter, entries in parameters.items():
+            shape = entries[0]["grad"].shape
+            old = previous_errors(steps, iteration, parameter, shape)
+            accumulated = [e["grad"] + o for e, o in zip(entries, old)]
+            sent = sum(a - e["error"].double() for a, e in zip(accumulated, entries))
+            bound = (WORLD + 2) * UNIT_ROUNDOFF * sum(a.abs() for a in accumulated)
+            out = entries[0]["out"]
+            assert torch.equal(out, entries[1]["out"])
+            assert ((WORLD * out - sent).abs() <= bound).all(), (iteration, parameter)
+            kept.append(entries[0]["error"] != 0)
+    # Error feedback keeps what was not sent: at 10 % density, most entries.
+    assert torch.cat([k.reshape(-1) for k in kept]).float().mean() > 0.5
+
+
+def test_lowrank_error_feedback_identity_per_parameter_and_step(results):
+    """``W out = sum_r (grad_r + error_old_r - error_new_r)`` for the compressed tensors, and the plain
+    average for the others.
+
+    Per rank: ``A = fl(error_old + grad)`` (``u |A|``); ``error_new = fl(A - fl(P Q^T))`` with the
+    rank-``r`` product off by at most ``gamma_r (|P||Q|^T)`` and the subtraction by
+    ``u |error_new|``; the hook's ``fl(P_cat Q_cat^T) / W`` is off by ``gamma_{Wr} sum_r |P_r||Q_r|^T``
+    and ``u |out|``. ``P`` has orthonormal columns (``|P_ik| <= 1``) and ``Q = A^T P``, so
+    ``|Q_jk| <= ||A[:, j]||`` and ``(|P||Q|^T)_ij <= r ||A[:, j]||`` (a factor 1.01 covers the
+    rounding of ``P``'s norms and of ``Q``).
+    """
+    steps = per_parameter_steps(results, "lowrank")
+    compressed_seen = set()
+    for iteration, parameters in steps.items():
+        for parameter, entries in parameters.items():
+            out = entries[0]["out"]
+            assert torch.equal(out, entries[1]["out"])
+            grads = [e["grad"] for e in entries]
+            if entries[0]["warmup"] or entries[0]["error"] is None:  # averaged uncompressed
+                bound = (WORLD + 1) * UNIT_ROUNDOFF * sum(g.abs() for g in grads)
+                assert ((WORLD * out - sum(grads)).abs() <= bound).all(), (iteration, parameter)
+                continue
+            compressed_seen.add(parameter)
+            shape = grads[0].shape
+            r = min(LOWRANK["rank"], shape[0], math.prod(shape[1:]))
+            old = previous_errors(steps, iteration, parameter, shape)
+            accumulated = [(g + o).reshape(shape[0], -1) for g, o in zip(grads, old)]
+            new_errors = [e["error"].double().reshape(shape[0], -1) for e in entries]
+            sent = sum(a - e for a, e in zip(accumulated, new_errors))
+            column_norms = sum(a.norm(dim=0, keepdim=True) for a in accumulated)  # [1, m]
+            bound = ((gamma(WORLD * r) + gamma(r)) * 1.01 * r * column_norms
+                     + UNIT_ROUNDOFF * (sum(a.abs() for a in accumulated) + sum(e.abs() for e in new_errors)
+                                        + WORLD * out.reshape(shape[0], -1).abs()))
+            assert ((WORLD * out.reshape(shape[0], -1) - sent).abs() <= bound).all(), (iteration, parameter)
+            # Rank 2 of a 10x24 or 24x12 gradient leaves a residual.
+            assert new_errors[0].abs().max() > 0
+    assert compressed_seen == {"head.weight", "body.weight"}  # 12x6 fails the compression-rate test
+
+
+def test_density_one_equals_ddp_default_average(results):
+    """Both average the same float32 gradients, with ``W - 1`` roundings of the sum and one of the
+    division each: ``|hook - default| <= 2 W u sum_r |g_r| / W`` per entry (``W = 2``: both are exact up
+    to one rounding of ``g_0 + g_1``, and equal here)."""
+    local = {}
+    for rank_result in results:
+        for entry in rank_result["density_one"]["log"]:
+            for parameter, grad in entry["grads"].items():
+                local.setdefault((entry["iteration"], parameter), []).append(grad.double())
+            assert all(e.abs().max() == 0 for e in entry["errors"].values())  # everything was sent
+    for rank_result in results:
+        for step, grads in enumerate(rank_result["density_one"]["steps"]):
+            for parameter, (default, hooked) in grads.items():
+                bound = 2 * UNIT_ROUNDOFF * sum(g.abs() for g in local[(step, parameter)])
+                difference = (default.double() - hooked.double()).abs()
+                assert (difference <= bound).all(), (step, parameter)
+    assert len(local) == 3 * 6
+
+
+def test_byte_counters_equal_the_formulas(results):
+    """Top-k: per compressed call, ``E`` kept entries as float32 values and int16 positions, padded to
+    4 bytes; low rank: ``4 r (n + m)`` per compressed tensor, 4 bytes per other element."""
+    for rank_result in results:
+        topk_sent = 0
+        for entry in rank_result["topk"]["log"]:
+            numel = sum(math.prod(shape) for _, shape in entry["layout"])
+            block = min(TOPK["block_size"], numel)
+            blocks = -(-numel // block)
+            last = numel - (blocks - 1) * block
+            entries = (blocks - 1) * math.ceil(TOPK["density"] * block) + math.ceil(TOPK["density"] * last)
+            topk_sent += 4 * entries + 4 * math.ceil(2 * entries / 4)
+        stats = rank_result["topk"]["stats"]
+        assert set(stats) == {"topk_allgather"}
+        assert stats["topk_allgather"] == dict(calls=len(rank_result["topk"]["log"]), bytes_sent=topk_sent,
+                                               bytes_received=(WORLD - 1) * topk_sent)
+
+        warmup = factors = plain = 0
+        compressed_calls = plain_calls = 0
+        for entry in rank_result["lowrank"]["log"]:
+            if entry["warmup"]:
+                warmup += 4 * sum(math.prod(shape) for _, shape in entry["layout"])
+                continue
+            shapes = [(s[0], math.prod(s[1:]), len(s)) for _, s in entry["layout"]]
+            compressed = [(n, m) for n, m, dims in shapes if dims >= 2 and 2 * 2 * (n + m) < n * m]
+            factors += sum(4 * 2 * (n + m) for n, m in compressed)
+            plain += 4 * sum(n * m for n, m, dims in shapes) - sum(4 * n * m for n, m in compressed)
+            compressed_calls += bool(compressed)
+            plain_calls += len(compressed) < len(shapes)
+        stats = rank_result["lowrank"]["stats"]
+        assert stats["warmup_allreduce"] == dict(calls=1, bytes_sent=warmup, bytes_received=warmup)
+        assert stats["lowrank_allgather"] == dict(calls=compressed_calls, bytes_sent=factors,
+                                                  bytes_received=(WORLD - 1) * factors)
+        assert stats["uncompressed_allreduce"] == dict(calls=plain_calls, bytes_sent=plain, bytes_received=plain)
+
+
+@pytest.mark.parametrize("name", ["topk", "lowrank"])
+def test_a_nonfinite_gradient_is_sent_but_not_remembered(results, name):
+    for rank_result in results:
+        log = calls_by_iteration(rank_result["nonfinite"][name])
+        poisoned = [e for e in log if e["iteration"] == 1 and e["index"] == 0]
+        assert len(poisoned) == 1
+        assert poisoned[0]["layout"][1][0] == "head.weight"
+        assert not torch.isfinite(poisoned[0]["outs"]["head.weight"]).all()  # GradScaler would see it
+        assert all(torch.isfinite(e).all() for entry in log for e in entry["errors"].values())
+        if rank_result is results[0]:
+            assert poisoned[0]["errors"]["head.weight"].abs().max() == 0  # restarted from zero
+        else:
+            assert poisoned[0]["errors"]["head.weight"].abs().max() > 0
+        # The other buckets of that step, and every later step, are finite again.
+        assert all(torch.isfinite(o).all() for entry in log if entry["iteration"] != 1 or entry["index"] != 0
+                   for o in entry["outs"].values())
+
+
+def test_an_unsupported_gradient_dtype_is_named(results):
+    assert all("the bucket's gradient must be float32, float16 or bfloat16, got torch.float64" in r["float64"]
+               for r in results)
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: EFTopKState(density=0.0), ValueError, "density must be > 0"),
+    (lambda: EFTopKState(density=1.5), ValueError, "density must be <= 1"),
+    (lambda: EFTopKState(density="1%"), TypeError, "density must be a float"),
+    (lambda: EFTopKState(block_size=0), ValueError, "block_size must be an int >= 1"),
+    (lambda: EFTopKState(block_size=64.0), TypeError, "block_size must be an int"),
+    (lambda: EFTopKState(warmup_iters=-1), ValueError, "warmup_iters must be an int >= 0"),
+    (lambda: EFTopKState(process_group="world"), TypeError, "process_group must be a torch.distributed.ProcessGroup"),
+    (lambda: LowRankState(rank=0), ValueError, "rank must be an int >= 1"),
+    (lambda: LowRankState(rank=True), TypeError, "rank must be an int"),
+    (lambda: LowRankState(min_compression_rate=-1.0), ValueError, "min_compression_rate must be >= 0"),
+    (lambda: LowRankState(min_compression_rate=float("nan")), ValueError, "min_compression_rate must be a finite"),
+    (lambda: LowRankState(seed=-1), ValueError, "seed must be an int >= 0"),
+    (lambda: LowRankState(warmup_iters=2.5), TypeError, "warmup_iters must be an int"),
+    (lambda: ef_topk_hook(LowRankState(), None), TypeError, "state must be an instance of EFTopKState"),
+    (lambda: lowrank_ef_hook(LowRankState(), None), TypeError, "bucket must be a torch.distributed.GradBucket"),
+    (lambda: EFTopKState().bucket_error(-1), ValueError, "index must be an int >= 0"),
+    (lambda: LowRankState().parameter_error("w"), TypeError, "parameter must be a torch.Tensor"),
+    (lambda: LowRankState().compressed_shape((4, -1)), ValueError, "shape must be a sequence of non-negative ints"),
+])
+def test_bad_arguments_raise_named_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_compressed_shape_follows_the_compression_rate_rule():
+    state = LowRankState(rank=4)
+    assert state.compressed_shape((256, 64)) == (256, 64, 4)
+    assert state.compressed_shape((16, 3, 3, 3)) == (16, 27, 4)  # unfolded to its first dimension
+    assert state.compressed_shape((8, 8)) is None  # 4 * 16 * 2 = 128 >= 64
+    assert state.compressed_shape((256,)) is None
+    assert LowRankState(rank=4, min_compression_rate=0).compressed_shape((3, 2)) == (3, 2, 2)  # rank capped
