@@ -28,7 +28,6 @@ if __name__ == "__main__" and not __package__:  # python perf/demo_digits.py
 
 import argparse
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable

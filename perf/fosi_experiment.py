@@ -53,7 +53,6 @@ import dataclasses
 import datetime
 import math
 import socket
-import sys
 import tempfile
 import time
 import warnings

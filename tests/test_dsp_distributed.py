@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from _distributed import _free_port, _to_bytes
 from torch import nn
 
-from tritonopt.dist import DSPConfigurationError, DSPPeerError, DSPSimulator, DSPStage, split_stages
+from tritonopt.dist import DSPSimulator, DSPStage, split_stages
 
 WORLD = 4
 BATCHES = 10
