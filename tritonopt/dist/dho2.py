@@ -91,6 +91,7 @@ from tritonopt.dist.lanczos import (
     reconstruct_columns,
     shard_size,
 )
+from tritonopt.optim import apply_nonfinite_policy
 from tritonopt.optim.fosi import FOSI, Curvature, FOSIConfig
 from tritonopt.optim.functional import (
     FOSIHyper,
@@ -412,11 +413,7 @@ class MRDHO2:
         self._collectives.all_reduce(grad, label="worker_grad_all_reduce", group=self.worker_group)
         grad.div_(len(self.workers))
         if not math.isfinite(float(grad.abs().amax())):
-            if self.on_nonfinite == "raise":
-                raise FloatingPointError("MRDHO2: a gradient holds NaN or inf; nothing was modified")
-            self.skipped_steps += 1
-            warnings.warn("MRDHO2: a gradient holds NaN or inf; the step was skipped and parameters and "
-                          "state are unchanged", RuntimeWarning, stacklevel=2)
+            apply_nonfinite_policy(self, "a gradient holds NaN or inf", "parameters and state are unchanged")
             return
         w = self._pack(self.params, self.weights)
         empty = w.new_zeros((0, self.n))

@@ -11,7 +11,7 @@ from tritonopt.optim import functional
 from tritonopt.optim._accounting import optimizer_state_bytes
 from tritonopt.optim.flat_sgd import FlatSGD
 from tritonopt.optim._blocks import BlockLayout
-from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer
+from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, apply_nonfinite_policy
 from tritonopt.optim.fosi import FOSI
 from tritonopt.optim.ggt import GGT, SparseGGT
 from tritonopt.optim.kfac import KFACPreconditioner, UnsupportedLayerError
@@ -34,6 +34,7 @@ __all__ = [
     "SparseGGT",
     "SparseMFAC",
     "UnsupportedLayerError",
+    "apply_nonfinite_policy",
     "functional",
     "optimizer_state_bytes",
 ]

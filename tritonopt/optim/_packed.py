@@ -25,6 +25,8 @@ are views of its slice, so the kernels run once per group while
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
@@ -161,6 +163,38 @@ class CheckpointSpec:
                         raise ValueError(f"saved state {name!r} must be an int in [0, {bound}], got {value!r}")
 
 
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside tritonopt and torch.
+
+    ``step`` is reached through torch's ``no_grad`` and optimizer-hook wrappers,
+    so a fixed level would name one of those instead of the user's line.
+    """
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+_LIBRARY_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,  # torch/
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # tritonopt/
+)
+
+
+def apply_nonfinite_policy(owner, problem: str, unchanged: str) -> None:
+    """``owner.on_nonfinite`` for a step that must not happen and has modified nothing.
+
+    ``"raise"`` raises ``FloatingPointError``; ``"skip"`` counts the step in
+    ``owner.skipped_steps`` and warns at the user's call, saying what ``unchanged`` names.
+    """
+    name = type(owner).__name__
+    if owner.on_nonfinite == "raise":
+        raise FloatingPointError(f"{name}: {problem}; nothing was modified")
+    owner.skipped_steps += 1
+    warnings.warn(f"{name}: {problem}; the step was skipped and {unchanged}", RuntimeWarning,
+                  stacklevel=_caller_stacklevel())
+
+
 class PackedOptimizer(Optimizer):
     """Base class of the tritonopt optimizers (see the module docstring).
 
@@ -250,15 +284,7 @@ class PackedOptimizer(Optimizer):
             self.state.pop(p, None)
         if stateless:
             self._packed.clear()
-        name = type(self).__name__
-        if self.on_nonfinite == "raise":
-            raise FloatingPointError(f"{name}: {problem}; nothing was modified")
-        self.skipped_steps += 1
-        warnings.warn(
-            f"{name}: {problem}; the step was skipped and parameters and state are unchanged",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        apply_nonfinite_policy(self, problem, "parameters and state are unchanged")
 
     # ------------------------------------------------------------------ checkpoints and copies
 

@@ -43,7 +43,7 @@ from tritonopt._validation import (
 )
 from tritonopt.ops import eigenbasis_precondition_prediv
 from tritonopt.optim._kfac_layers import KFACLayer, register_layers
-from tritonopt.optim._packed import NONFINITE_POLICIES
+from tritonopt.optim._packed import NONFINITE_POLICIES, apply_nonfinite_policy
 from tritonopt.optim.kfac_functional import (
     COMPUTE_METHODS,
     all_finite,
@@ -448,14 +448,7 @@ class BaseKFACPreconditioner:
 
     def refuse_step(self, problem: str) -> bool:
         """Apply ``on_nonfinite`` to a step that must not happen (nothing has been modified); False."""
-        name = type(self).__name__
-        if self.on_nonfinite == "raise":
-            raise FloatingPointError(f"{name}: {problem}; nothing was modified")
-        self.skipped_steps += 1
-        warnings.warn(
-            f"{name}: {problem}; the step was skipped (gradients, factors and the step counter are unchanged)",
-            RuntimeWarning, stacklevel=3,
-        )
+        apply_nonfinite_policy(self, problem, "gradients, factors and the step counter are unchanged")
         return False
 
     def fold_factors(self, indices: Iterable[int], decay: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
