@@ -8,7 +8,7 @@ STAMP := $(VENV)/.tritonopt-installed
 # pip shows what it downloads and installs; PIP_FLAGS=--quiet silences it.
 PIP_FLAGS ?=
 
-.PHONY: install test test-all compile-check demo demo-reference experiments bench autotune clean
+.PHONY: install test test-all compile-check demo demo-reference experiments bench autotune anchors bench-anchors clean
 
 install: $(STAMP)
 
@@ -68,6 +68,27 @@ bench: install
 	$(PY) -m perf.bench_sgd_momentum
 	$(PY) -m perf.bench_ssd_sgd
 	$(PY) -m perf.bench_optimizer_step
+
+# The authors' implementations that perf.bench_anchors compares with (not dependencies of
+# tritonopt): checkouts at the commits the README's figures were measured with, in
+# $(ANCHORS_DIR), and torchopt, which hsivan/fosi's torch version needs.
+ANCHORS_DIR ?= .anchors
+ANCHOR_CHECKOUTS := \
+	kfac-pytorch=gpauloski/kfac-pytorch@869cf110334e5a6e9ea054bafdc4558313a821e8 \
+	fosi=hsivan/fosi@cf040ce1a3ddfdc8bf3071ef825874fb529ac4fa \
+	EFCP=IST-DASLab/EFCP@a33a3a5725fbe78ab3ed7e8ce246a8c77b0dfb62
+
+anchors: install
+	@for spec in $(ANCHOR_CHECKOUTS); do \
+		folder=$${spec%%=*}; rest=$${spec#*=}; repo=$${rest%@*}; commit=$${rest#*@}; \
+		test -d $(ANCHORS_DIR)/$$folder || git clone -q https://github.com/$$repo $(ANCHORS_DIR)/$$folder || exit 1; \
+		git -C $(ANCHORS_DIR)/$$folder checkout -q $$commit || exit 1; \
+		echo "==> $(ANCHORS_DIR)/$$folder: $$repo at $$commit"; \
+	done
+	$(PY) -m pip install $(PIP_FLAGS) torchopt
+
+bench-anchors: anchors
+	$(PY) -m perf.bench_anchors --anchors $(ANCHORS_DIR)
 
 # Warm Triton's autotune cache for real model shapes (GPU) and record the chosen configs.
 autotune: install

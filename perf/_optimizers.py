@@ -50,6 +50,11 @@ class OptimizerStep:
         self.model, self.optimizer = model, optimizer
         self.update_timer: Callable[[], ContextManager] = contextlib.nullcontext
 
+    @property
+    def warmup_steps(self) -> int:
+        """Steps before the optimizer's first periodic work (FOSI's first ESE); 0 for the others."""
+        return getattr(getattr(self.optimizer, "config", None), "first_curvature_step", 0)
+
     def update(self) -> None:
         self.optimizer.step()
 

@@ -188,7 +188,7 @@ def measure(entry: Entry, size: Size, device: torch.device, *, min_iterations: i
     period = entry.period(size)
     # Past FOSI's warm-up and the first ESE or eigendecomposition: every window of `period`
     # steps from here holds exactly one of them.
-    for _ in range(getattr(step.optimizer, "warmup_steps", 0) + 2):
+    for _ in range(step.warmup_steps + 2):
         step(x, y, loss_fn)
     if device.type == "cuda":
         torch.cuda.synchronize()

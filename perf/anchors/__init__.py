@@ -4,8 +4,8 @@ An *anchor pair* is one algorithm built twice over the same model: with tritonop
 authors' code (the *anchor*), at the same hyperparameters, as two ``TrainStep`` builders
 (``perf/_optimizers.py``: ``step(x, y, loss_fn) -> loss``, the update inside
 ``step.update_timer()``). ``perf.bench_anchors`` times both in one run and checks that they
-still agree: from the same initial weights on the same batches, the parameters after a few
-steps must match to float32 rounding.
+still agree: in lockstep (both updating the same parameters with the same gradient), each
+step's updates must match to float32 rounding.
 
 The anchors are not dependencies of tritonopt. They are read from checkouts of the authors'
 repositories under one folder (``--anchors DIR``, default ``.anchors/`` at the repository root,
@@ -44,10 +44,11 @@ class AnchorPair:
     """One algorithm, built by tritonopt and by its authors' code, at the same settings.
 
     ``period``: steps between the algorithm's periodic work (an eigendecomposition, an ESE),
-    so that timings are means over whole periods. ``agreement_steps``: how many steps the
-    agreement check runs (past any warm-up, through at least one periodic update).
-    ``rtol``: the bound on ``max |theta_tritonopt - theta_anchor| / max |theta_anchor|`` after
-    them, derived in the builder's docstring from the float32 rounding of the operations.
+    so that timings are means over whole periods. ``agreement_steps``: how many lockstep steps
+    the agreement check runs (past any warm-up, through at least one periodic update).
+    ``rtol``: the bound on each step's ``max |u_tritonopt - u_anchor| / max |u_anchor|`` (``u``:
+    the change of the parameters), derived from the float32 rounding of the operations where
+    the pair is defined.
     """
 
     name: str

@@ -1,0 +1,207 @@
+"""Benchmark tritonopt's optimizers against the authors' implementations, in one run.
+
+For each algorithm with an *anchor*, the authors' own code (``perf/anchors/``: K-FAC against
+gpauloski/kfac-pytorch, FOSI-Adam against hsivan/fosi's torch version, M-FAC and S-MFAC against
+IST-DASLab/EFCP), at the same hyperparameters on the same model and batch:
+
+* **agreement** (at the demo's size): in lockstep from the same initial weights, on the same
+  batches, through at least one of their periodic updates: before each step tritonopt's model
+  takes the anchor's parameters, and the relative difference of the two updates,
+  ``max |u_tritonopt - u_anchor| / max |u_anchor|``, must stay within the bound each pair
+  derives from float32 rounding at every step;
+* **time**: the step alone and the whole training iteration, each the mean over whole periods
+  of the algorithm's schedule (as ``perf.bench_optimizer_step`` measures them), tritonopt's and
+  the anchor's alternately, ``--repeats`` times, reporting the median of each; the ratio
+  tritonopt / anchor is the figure, below 1 when tritonopt is faster;
+* the optimizer state each holds.
+
+The anchors are read from checkouts of their repositories under ``--anchors`` (default
+``.anchors/``, filled by ``make anchors``); hsivan/fosi also needs ``torchopt``. A pair whose
+anchor is missing is reported as skipped. Sizes are ``perf.bench_optimizer_step``'s: ``demo``
+(the CPU default, one thread), ``resnet18`` (GPU), ``shrunk`` (``--smoke``).
+
+    python -m perf.bench_anchors [--smoke] [--anchors DIR] [--sizes demo resnet18] [--repeats 3]
+
+Results: ``anchors.csv`` in ``perf/results/<device>/``. The exit status is 1 when a pair
+disagrees beyond its bound.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:  # python perf/bench_anchors.py
+    import _as_module
+
+    _as_module.run(__file__)
+
+import copy
+import gc
+import importlib
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from perf import _harness as harness
+from perf.anchors import AnchorMissing, AnchorPair, fosi_anchor, kfac_anchor
+from perf.bench_optimizer_step import SIZES, Entry, Size, measure
+
+NAME = "anchors"
+DEFAULT_ANCHORS = harness.REPO_ROOT / ".anchors"
+AGREEMENT_BATCH_SEED = 1
+
+
+def anchor_modules() -> list:
+    """The modules defining anchor pairs."""
+    modules = [kfac_anchor, fosi_anchor]
+    if importlib.util.find_spec("perf.anchors.efcp") is not None:
+        modules.append(importlib.import_module("perf.anchors.efcp"))
+    return modules
+
+
+def agreement(pair: AnchorPair, size: Size, device: torch.device) -> float:
+    """The largest relative difference of the two sides' updates, in lockstep.
+
+    Before each step tritonopt's model takes the anchor's parameters, so both see the same
+    gradient and only the optimizers' arithmetic differs (on a ReLU network, two runs apart by
+    rounding alone drift apart once a unit's sign flips). For step ``t``, with ``u`` each side's
+    change of the parameters: ``max |u_tritonopt - u_anchor| / max |u_anchor|``, less the rounding
+    of the stored parameters (``eps * |theta|`` per entry); the figure is the largest over
+    ``pair.agreement_steps`` steps.
+    """
+    torch.manual_seed(0)
+    initial = size.make_model().to(device)
+    ours, theirs = copy.deepcopy(initial), copy.deepcopy(initial)
+    step_ours, step_theirs = pair.build_tritonopt(ours), pair.build_anchor(theirs)
+    gen = torch.Generator().manual_seed(AGREEMENT_BATCH_SEED)
+    loss_fn = torch.nn.functional.cross_entropy
+    flat = torch.nn.utils.parameters_to_vector
+    worst = 0.0
+    for _ in range(pair.agreement_steps):
+        x = torch.randn(size.batch, *size.input_shape, generator=gen).to(device)
+        y = torch.randint(0, size.classes, (size.batch,), generator=gen).to(device)
+        with torch.no_grad():
+            for a, b in zip(ours.parameters(), theirs.parameters()):
+                a.copy_(b)
+            before = flat(theirs.parameters()).clone()
+        step_ours(x, y, loss_fn)
+        step_theirs(x, y, loss_fn)
+        with torch.no_grad():
+            after_ours, after_theirs = flat(ours.parameters()), flat(theirs.parameters())
+            # Storing theta + u rounds each side's parameter once, by half a unit in the last
+            # place of the result: differences within that are no difference in the updates.
+            stored = torch.finfo(after_theirs.dtype).eps * torch.maximum(after_ours.abs(), after_theirs.abs())
+            beyond = ((after_ours - after_theirs).abs() - stored).clamp(min=0)
+            worst = max(worst, beyond.max().item() / (after_theirs - before).abs().max().item())
+    return worst
+
+
+def timed(pair: AnchorPair, size: Size, device: torch.device, *, repeats: int, min_iterations: int) -> dict:
+    """Median step and iteration times of both sides, measured alternately."""
+    sides = {
+        "tritonopt": Entry(pair.name, pair.anchor, lambda model, _: pair.build_tritonopt(model),
+                           period=lambda _: pair.period),
+        "anchor": Entry(pair.anchor, pair.anchor, lambda model, _: pair.build_anchor(model),
+                        period=lambda _: pair.period),
+    }
+    samples: dict[str, list[dict]] = {side: [] for side in sides}
+    for _ in range(repeats):
+        for side, entry in sides.items():
+            samples[side].append(measure(entry, size, device, min_iterations=min_iterations, use_nvtx=False))
+            gc.collect()
+    row = {}
+    for side, rows in samples.items():
+        row[f"{side}_step_ms"] = statistics.median(r["step_ms"] for r in rows)
+        row[f"{side}_iteration_ms"] = statistics.median(r["iteration_ms"] for r in rows)
+        row[f"{side}_state_bytes"] = rows[0]["state_bytes"]
+    row["step_ratio"] = row["tritonopt_step_ms"] / row["anchor_step_ms"]
+    row["iteration_ratio"] = row["tritonopt_iteration_ms"] / row["anchor_iteration_ms"]
+    row["parameters"] = rows[0]["parameters"]
+    row["iterations"] = rows[0]["iterations"]
+    return row
+
+
+def parser():
+    p = harness.bench_parser(__doc__.split("\n\n")[0],
+                             smoke_help="the shrunk size only, one repeat: checks the script in seconds")
+    p.add_argument("--anchors", type=Path, default=DEFAULT_ANCHORS, metavar="DIR",
+                   help="folder of the anchors' checkouts (default: .anchors/, see `make anchors`)")
+    p.add_argument("--sizes", nargs="+", choices=["demo", "resnet18"], default=None,
+                   help="default: demo and resnet18 on a GPU, demo on the CPU")
+    p.add_argument("--repeats", type=harness.positive_int, default=3,
+                   help="alternating measurements of each side; the median is reported (default 3)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    device = harness.default_device()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # small models: more threads only add synchronisation, and noise
+    primary = harness.primary_backend(device)
+    harness.announce_primary(device, primary)
+    if args.smoke:
+        sizes, repeats, min_iterations = ["shrunk"], 1, 3
+    else:
+        sizes = args.sizes or (["demo", "resnet18"] if device.type == "cuda" else ["demo"])
+        repeats, min_iterations = args.repeats, (20 if device.type == "cuda" else 10)
+    print(f"{NAME}: device {harness.device_name()}, tritonopt backend {primary}, anchors from {args.anchors}")
+    rows, claims = [], []
+    for size_name in sizes:
+        size = SIZES[size_name]
+        pairs = []
+        for module in anchor_modules():
+            try:
+                pairs += module.pairs(args.anchors, size)
+            except AnchorMissing as missing:
+                print(f"skipped {module.__name__.rsplit('.', 1)[-1]} at {size_name}: {missing}")
+        with harness.progress(len(pairs), f"{size_name}", unit="pair") as bar:
+            for pair in pairs:
+                bar.set_description(f"{size_name}: {pair.name}")
+                row = {"size": size_name, "algorithm": pair.name, "anchor": pair.anchor}
+                # The agreement is a property of the arithmetic, and each pair derives its bound
+                # for the demo's model: checked there, where both run quickly.
+                if size_name == "demo":
+                    row["relative_difference"] = agreement(pair, size, device)
+                    row["rtol"] = pair.rtol
+                    row["agreement_steps"] = pair.agreement_steps
+                    claims.append(harness.Claim(
+                        f"{pair.name} agrees with {pair.anchor} after {pair.agreement_steps} steps at {size_name}",
+                        row["relative_difference"] <= pair.rtol,
+                        f"relative difference {row['relative_difference']:.2e}, bound {pair.rtol:.0e}",
+                        smoke_scale=True,
+                    ))
+                try:
+                    row.update(timed(pair, size, device, repeats=repeats, min_iterations=min_iterations))
+                except torch.cuda.OutOfMemoryError:
+                    print(f"skipped timing {pair.name} at {size_name}: out of GPU memory")
+                rows.append(row)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                bar.update(1)
+    if not rows:
+        print(f"no anchor could be loaded from {args.anchors}: nothing measured")
+        return 0
+    for size_name in sizes:
+        mine = [r for r in rows if r["size"] == size_name and "step_ratio" in r]
+        if not mine:
+            continue
+        print(f"\n{size_name}: {mine[0]['parameters']:,} parameters")
+        print(harness.format_table(
+            ["algorithm", "anchor", "step ms", "anchor step ms", "step ratio", "iteration ratio",
+             "state MiB", "anchor state MiB", "rel. difference"],
+            [[r["algorithm"], r["anchor"], r["tritonopt_step_ms"], r["anchor_step_ms"], f"{r['step_ratio']:.2f}x",
+              f"{r['iteration_ratio']:.2f}x", r["tritonopt_state_bytes"] / 2**20, r["anchor_state_bytes"] / 2**20,
+              f"{r['relative_difference']:.1e}" if "relative_difference" in r else ""]
+             for r in mine]))
+    print()
+    out_dir = harness.output_dir(args.out, harness.device_results_dir(), smoke=args.smoke, name=NAME)
+    print(f"wrote {harness.write_results(rows, out_dir, NAME)}")
+    return harness.report_claims(claims, smoke=args.smoke)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
