@@ -55,6 +55,7 @@ would need ``2 d (d+1)/2`` int64 indices, 170 MB at ``d = 4608``).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -224,8 +225,13 @@ def kfac_factor_update_reference(
     coeff = (1.0 - decay) * scale * scale / x.shape[0]
     product = xs.T @ xs
     new = product * coeff if decay == 0 else decay * factor + coeff * product
-    upper = torch.triu(new)
-    factor.copy_(upper + torch.triu(new, diagonal=1).T)
+    torch.where(_upper_triangle(new.shape[0], new.device), new, new.T, out=factor)
+
+
+@functools.lru_cache(maxsize=16)
+def _upper_triangle(dim: int, device: torch.device) -> torch.Tensor:
+    """``[dim, dim]`` bool, True on and above the diagonal: the entries a factor update computes."""
+    return torch.ones(dim, dim, dtype=torch.bool, device=device).triu_()
 
 
 # --------------------------------------------------------------------------- preconditioning
