@@ -29,7 +29,8 @@ TINY = Size("tiny", tiny_mlp, batch=8, input_shape=(16,), classes=4, window=4, b
 def batches(count: int) -> list:
     generator = torch.Generator().manual_seed(1)
     return [(torch.randn(TINY.batch, *TINY.input_shape, generator=generator),
-             torch.randint(0, TINY.classes, (TINY.batch,), generator=generator)) for _ in range(count)]
+             torch.randint(0, TINY.classes, (TINY.batch,), generator=generator))
+            for _ in range(count)]
 
 
 def train(build, model: torch.nn.Module, data) -> torch.Tensor:
@@ -88,5 +89,6 @@ def test_pairs_agree_with_the_checkout():
         theirs = train(pair.build_anchor, copy.deepcopy(base), data)
         start = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
         scale = theirs.abs().max()
-        assert (theirs - start).abs().max() > 100 * pair.rtol * scale, pair.name  # the steps moved theta
+        # The steps moved theta far more than the bound.
+        assert (theirs - start).abs().max() > 100 * pair.rtol * scale, pair.name
         assert (ours - theirs).abs().max() <= pair.rtol * scale, pair.name

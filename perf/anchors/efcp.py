@@ -106,16 +106,15 @@ def _load(anchors_dir: Path) -> dict:
         for key, (module_name, class_name) in names.items():
             try:
                 module = importlib.import_module(module_name)
-            except Exception as error:  # the checkout's own import-time failures, not only ImportError
-                raise AnchorMissing(
-                    f"cannot import {module_name} from the {REPOSITORY} checkout at {root} ({error!r})"
-                ) from error
+            except Exception as error:  # any import-time failure of the checkout
+                raise AnchorMissing(f"cannot import {module_name} from the {REPOSITORY} checkout"
+                                    f" at {root} ({error!r})") from error
             # EFCP's top-level packages have generic names (helpers, optimizers): make sure these
             # are EFCP's and not another package already imported under the same name.
             if not Path(module.__file__).resolve().is_relative_to(root):
                 raise AnchorMissing(
-                    f"{module_name} resolves to {module.__file__}, not to the {REPOSITORY} checkout at {root}:"
-                    " another package of that name is already imported"
+                    f"{module_name} resolves to {module.__file__}, not to the {REPOSITORY}"
+                    f" checkout at {root}: another package of that name is already imported"
                 )
             classes[key] = getattr(module, class_name)
     for module in list(sys.modules.values()):
@@ -210,7 +209,8 @@ class EFCPStep(OptimizerStep):
             return super().__call__(x, y, loss_fn)
 
     def state_bytes(self) -> int:
-        return _tensors_bytes(self.optimizer, self.optimizer.hinv) + optimizer_state_bytes(self.optimizer)
+        held = _tensors_bytes(self.optimizer, self.optimizer.hinv)
+        return held + optimizer_state_bytes(self.optimizer)
 
 
 def _quietly(make):
@@ -239,7 +239,8 @@ def kept_entries(model: torch.nn.Module, density: float) -> int:
     kept = kept_per_block(density, None, d)
     if kept < 2:
         # EFCP reads k_init <= 1 as a fraction of d, so a count of 1 cannot be passed to it.
-        raise ValueError(f"{density} of {d} parameters keeps {kept} entry; the pair needs at least 2")
+        raise ValueError(f"{density} of {d} parameters keeps {kept} entry;"
+                         " the pair needs at least 2")
     return kept
 
 
@@ -268,19 +269,22 @@ def pairs(anchors_dir: Path, size) -> list[AnchorPair]:
                   weight_decay=0.0, momentum=0.0)
 
     def efcp_sparse(model):
-        dev, kept = _device(model), kept_entries(model, hyper["density"])  # k as a count, not a fraction
+        # k as a count, not a fraction
+        dev, kept = _device(model), kept_entries(model, hyper["density"])
         return EFCPStep(model, _quietly(lambda: efcp["SparseMFAC"](
             model.parameters(), k_init=kept, dev=dev, gpus=[dev], **common)))
 
     def efcp_dense(model):
         dev = _device(model)
-        return EFCPStep(model, _quietly(lambda: efcp["MFAC"](model.parameters(), dev=dev, gpus=[dev], **common)))
+        return EFCPStep(model, _quietly(lambda: efcp["MFAC"](
+            model.parameters(), dev=dev, gpus=[dev], **common)))
 
     ours = tritonopt_builders(size)
     settings = dict(hyper, momentum=0.0, weight_decay=0.0)
     return [
-        AnchorPair("S-MFAC", REPOSITORY, ours["S-MFAC"], efcp_sparse, agreement_steps=AGREEMENT_STEPS,
-                   rtol=SPARSE_MFAC_RTOL, settings=dict(settings, topk="global"),
+        AnchorPair("S-MFAC", REPOSITORY, ours["S-MFAC"], efcp_sparse,
+                   agreement_steps=AGREEMENT_STEPS, rtol=SPARSE_MFAC_RTOL,
+                   settings=dict(settings, topk="global"),
                    notes="Top-k over the whole model (EFCP's is global): tritonopt with one block"),
         AnchorPair("MFAC", REPOSITORY, ours["MFAC"], efcp_dense, agreement_steps=AGREEMENT_STEPS,
                    rtol=MFAC_RTOL, settings={k: v for k, v in settings.items() if k != "density"}),
