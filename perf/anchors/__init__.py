@@ -75,7 +75,15 @@ def checkout(anchors_dir: Path, folder: str) -> Path:
 def _stub_module(name: str) -> types.ModuleType:
     """An empty module: stands in for an anchor's logging-only imports (wandb, line_profiler)."""
     module = types.ModuleType(name)
-    module.__dict__["__getattr__"] = lambda attr: (lambda *a, **k: None)
+
+    def anything(attr: str):
+        # Dunder look-ups (__file__, __path__, ...) must fail as on a real module: inspect and
+        # importlib probe them on every module in sys.modules.
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        return lambda *args, **kwargs: None
+
+    module.__dict__["__getattr__"] = anything
     return module
 
 
