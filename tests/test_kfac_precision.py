@@ -9,6 +9,7 @@ from torch import nn
 
 import tritonopt
 from tritonopt.optim import functional as F
+from tritonopt.optim import kfac_functional
 from tritonopt.optim.kfac import KFACPreconditioner
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -280,3 +281,37 @@ def test_eigendecompose_clamps_and_returns_contiguous_bases():
     both_infinities = torch.tensor([float("inf"), -float("inf")])
     huge = torch.full((4,), torch.finfo(torch.float32).max)  # finite, its float32 sum is not
     assert F.all_finite([both_infinities, huge]) == [False, True]
+
+
+@pytest.mark.parametrize("poison", ["none", "nan", "inf", "-inf", "overflow", "inf_times_zero"])
+def test_a_statistic_trace_is_finite_exactly_when_the_statistic_is(poison):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 5, generator=gen)
+    if poison == "nan":
+        x[2, 3] = float("nan")
+    elif poison in ("inf", "-inf"):
+        x[4, 1] = float(poison)
+    elif poison == "overflow":  # finite inputs whose products overflow float32
+        x[:, 2] *= 1e20
+    elif poison == "inf_times_zero":  # inf * 0 puts NaN off the diagonal
+        x[:, 1] = 0.0
+        x[0, 3] = float("inf")
+    statistic = F.kfac_accumulate_statistic(None, x, 0, append_bias=True)
+    probe = kfac_functional.gram_finiteness_probes([statistic, torch.eye(3)])
+    assert probe.dtype == torch.float64
+    assert probe.isfinite().tolist() == [bool(statistic.isfinite().all()), True]
+    assert probe.isfinite().all().item() == (poison == "none")
+
+
+def test_float32_inner_products_agree_with_the_exact_ones_until_they_overflow():
+    gen = torch.Generator().manual_seed(8)
+    ps = [torch.randn(30, 40, generator=gen), torch.randn(5, 5, generator=gen)]
+    gs = [torch.randn(30, 40, generator=gen), torch.randn(5, 5, generator=gen)]
+    fast, exact = F.kfac_inner_products(ps, gs, exact=False), F.kfac_inner_products(ps, gs)
+    assert fast.dtype == torch.float64
+    # float32 accumulation of 1200 terms: relative error within 1200 * 2**-24 of sum |p g|.
+    bound = [1200 * 2**-24 * (p.double() * g.double()).abs().sum().item() for p, g in zip(ps, gs)]
+    assert all(abs(a - b) <= c for a, b, c in zip(fast.tolist(), exact.tolist(), bound))
+    huge_ps, huge_gs = [ps[0] * 1e30, ps[1]], [gs[0] * 1e10, gs[1]]  # products of 1e40
+    assert F.kfac_inner_products(huge_ps, huge_gs, exact=False).isfinite().tolist() == [False, True]
+    assert F.kfac_inner_products(huge_ps, huge_gs).isfinite().all()

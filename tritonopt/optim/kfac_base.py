@@ -49,6 +49,7 @@ from tritonopt.optim.kfac_functional import (
     all_finite,
     eigen_shapes,
     finiteness_probes,
+    gram_finiteness_probes,
     kfac_accumulate_statistic,
     kfac_eigen_data,
     kfac_eigendecompose,
@@ -425,8 +426,8 @@ class BaseKFACPreconditioner:
             if preconditioned:
                 parts.append(finiteness_probes([preconditioned[i] for i in order]))
         if statistics:
-            parts.append(finiteness_probes([t for i in statistics for t in (self.layers[i].a_batch,
-                                                                            self.layers[i].g_batch)]))
+            parts.append(gram_finiteness_probes([t for i in statistics for t in (self.layers[i].a_batch,
+                                                                                 self.layers[i].g_batch)]))
         if not parts:
             return None
         flags = torch.cat(parts).isfinite().tolist()
@@ -582,8 +583,13 @@ class BaseKFACPreconditioner:
         order = list(grads)
         inner_products = None
         if hyper["kl_clip"] is not None and order:
-            inner_products = kfac_inner_products([preconditioned[i] for i in order], [grads[i] for i in order])
+            pairs = ([preconditioned[i] for i in order], [grads[i] for i in order])
+            inner_products = kfac_inner_products(*pairs, exact=False)
         problem = self.nonfinite_problem(grads, statistics, preconditioned, inner_products)
+        if problem is not None and inner_products is not None:
+            # A float32 product may overflow where the float64 one does not: decide on the exact ones.
+            inner_products = kfac_inner_products(*pairs)
+            problem = self.nonfinite_problem(grads, statistics, preconditioned, inner_products)
         if problem is not None:
             return self.refuse_step(problem)
         kl_scale = None

@@ -49,6 +49,7 @@ __all__ = [
     "all_finite",
     "eigen_shapes",
     "finiteness_probes",
+    "gram_finiteness_probes",
     "kfac_accumulate_statistic",
     "kfac_eigen_data",
     "kfac_eigendecompose",
@@ -90,6 +91,19 @@ def finiteness_probes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     reduction per tensor, no host synchronisation.
     """
     return torch.stack([t.sum(dtype=torch.float64) for t in tensors])
+
+
+def gram_finiteness_probes(statistics: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`finiteness_probes` for factor statistics, which are Gram matrices ``X^T X / n``
+    (or averages of them): one float64 trace per matrix.
+
+    The trace is finite exactly when the whole matrix is: a NaN or inf in ``X``
+    reaches the diagonal, and by Cauchy-Schwarz ``|S_ij| <= max(S_ii, S_jj)``
+    bounds every entry, and every partial sum of the products, by the diagonal,
+    so an off-diagonal entry cannot overflow while the diagonal stays finite.
+    Reads ``d`` entries of each ``d x d`` matrix instead of ``d^2``.
+    """
+    return torch.stack([torch.diagonal(s).sum(dtype=torch.float64) for s in statistics])
 
 
 def all_finite(tensors: Sequence[Optional[torch.Tensor]]) -> list[bool]:
@@ -143,7 +157,8 @@ def kfac_running_average(
     """
     if factor is None:
         factor = torch.eye(statistic.shape[0], dtype=torch.float32, device=statistic.device)
-    return torch.add(factor.to(torch.float32) * decay, statistic, alpha=1.0 - decay, out=out)
+    # statistic + decay (factor - statistic): one pass, no temporary.
+    return torch.lerp(statistic, factor.to(torch.float32), decay, out=out)
 
 
 def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomposition]]:
@@ -260,16 +275,25 @@ def kfac_precondition(
                                    **_precision(precision))
 
 
-def kfac_inner_products(preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+def kfac_inner_products(
+    preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *, exact: bool = True
+) -> torch.Tensor:
     """``<P_l, grad_l>`` for each layer, float64 ``[L]``.
 
-    Accumulated in float64, where products of float32 values cannot overflow:
-    an entry is finite exactly when both its layer's ``P`` and ``grad`` are.
+    ``exact`` (default): accumulated in float64, where products of float32 values
+    cannot overflow: an entry is finite exactly when both its layer's ``P`` and
+    ``grad`` are. ``exact=False``: float32 dot products (a quarter of the memory
+    traffic), which may overflow where the float64 ones do not; a caller that
+    finds a non-finite entry computes the exact ones before concluding anything.
     """
+    if exact:
+        return torch.stack([
+            torch.dot(p.reshape(-1).to(torch.float64), g.reshape(-1).to(torch.float64))
+            for p, g in zip(preconditioned, grads)
+        ])
     return torch.stack([
-        torch.dot(p.reshape(-1).to(torch.float64), g.reshape(-1).to(torch.float64))
-        for p, g in zip(preconditioned, grads)
-    ])
+        torch.dot(p.reshape(-1).to(torch.float32), g.reshape(-1).to(torch.float32)) for p, g in zip(preconditioned, grads)
+    ]).to(torch.float64)
 
 
 def kfac_kl_clip_scale(inner_products: torch.Tensor, *, lr: float, kl_clip: Optional[float]) -> Optional[torch.Tensor]:
