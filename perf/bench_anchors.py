@@ -146,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sizes, repeats, min_iterations = ["shrunk"], 1, 3
     else:
         sizes = args.sizes or (["demo", "resnet18"] if device.type == "cuda" else ["demo"])
-        repeats, min_iterations = args.repeats, (20 if device.type == "cuda" else 10)
+        repeats, min_iterations = args.repeats, (20 if device.type == "cuda" else 40)
     print(f"{NAME}: device {harness.device_name()}, tritonopt backend {primary}, anchors from {args.anchors}")
     rows, claims = [], []
     for size_name in sizes:
