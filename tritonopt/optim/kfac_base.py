@@ -583,13 +583,8 @@ class BaseKFACPreconditioner:
         order = list(grads)
         inner_products = None
         if hyper["kl_clip"] is not None and order:
-            pairs = ([preconditioned[i] for i in order], [grads[i] for i in order])
-            inner_products = kfac_inner_products(*pairs, exact=False)
+            inner_products = kfac_inner_products([preconditioned[i] for i in order], [grads[i] for i in order])
         problem = self.nonfinite_problem(grads, statistics, preconditioned, inner_products)
-        if problem is not None and inner_products is not None:
-            # A float32 product may overflow where the float64 one does not: decide on the exact ones.
-            inner_products = kfac_inner_products(*pairs)
-            problem = self.nonfinite_problem(grads, statistics, preconditioned, inner_products)
         if problem is not None:
             return self.refuse_step(problem)
         kl_scale = None

@@ -157,8 +157,7 @@ def kfac_running_average(
     """
     if factor is None:
         factor = torch.eye(statistic.shape[0], dtype=torch.float32, device=statistic.device)
-    # statistic + decay (factor - statistic): one pass, no temporary.
-    return torch.lerp(statistic, factor.to(torch.float32), decay, out=out)
+    return torch.add(factor.to(torch.float32) * decay, statistic, alpha=1.0 - decay, out=out)
 
 
 def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomposition]]:
@@ -275,25 +274,16 @@ def kfac_precondition(
                                    **_precision(precision))
 
 
-def kfac_inner_products(
-    preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *, exact: bool = True
-) -> torch.Tensor:
+def kfac_inner_products(preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """``<P_l, grad_l>`` for each layer, float64 ``[L]``.
 
-    ``exact`` (default): accumulated in float64, where products of float32 values
-    cannot overflow: an entry is finite exactly when both its layer's ``P`` and
-    ``grad`` are. ``exact=False``: float32 dot products (a quarter of the memory
-    traffic), which may overflow where the float64 ones do not; a caller that
-    finds a non-finite entry computes the exact ones before concluding anything.
+    Accumulated in float64, where products of float32 values cannot overflow:
+    an entry is finite exactly when both its layer's ``P`` and ``grad`` are.
     """
-    if exact:
-        return torch.stack([
-            torch.dot(p.reshape(-1).to(torch.float64), g.reshape(-1).to(torch.float64))
-            for p, g in zip(preconditioned, grads)
-        ])
     return torch.stack([
-        torch.dot(p.reshape(-1).to(torch.float32), g.reshape(-1).to(torch.float32)) for p, g in zip(preconditioned, grads)
-    ]).to(torch.float64)
+        torch.dot(p.reshape(-1).to(torch.float64), g.reshape(-1).to(torch.float64))
+        for p, g in zip(preconditioned, grads)
+    ])
 
 
 def kfac_kl_clip_scale(inner_products: torch.Tensor, *, lr: float, kl_clip: Optional[float]) -> Optional[torch.Tensor]:
