@@ -52,6 +52,38 @@ def _dispatch_mode_active() -> bool:
     return stack_length is not None and stack_length() > 0
 
 
+_MAX_CALL_PLANS = 64  # call shapes remembered per op
+
+
+class _FromArgs:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _FromKwargs:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _Default:
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _pick(source, args: tuple, kwargs: dict):
+    if type(source) is _FromArgs:
+        return args[source.index]
+    if type(source) is _FromKwargs:
+        return kwargs[source.name]
+    return source.value
+
+
 class Op:
     """A declared op: call it like a function (see the module docstring)."""
 
@@ -86,12 +118,10 @@ class Op:
         self._float_params = [(i, p.name) for i, p in enumerate(parameters) if p.annotation is float]
         self._parameter_count = len(parameters)
         self._keyword_only = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
-        # The common eager call (every positional argument by position, keyword-only ones by
-        # name) needs no Signature.bind, which costs tens of microseconds per call.
-        keyword_only = [p for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
-        self._positional_count = self._parameter_count - len(keyword_only)
-        self._keyword_defaults = {p.name: p.default for p in keyword_only if p.default is not inspect.Parameter.empty}
-        self._required_keywords = {p.name for p in keyword_only if p.default is inspect.Parameter.empty}
+        # How a call's arguments map onto the full argument list, per call shape (the number of
+        # positional arguments and the keyword names): Signature.bind costs tens of microseconds,
+        # and an optimizer calls its ops with the same shape at every step.
+        self._plans: dict[tuple, tuple] = {}
         # torch.library refuses keyword-only tensors: the dispatcher's schema takes every
         # argument by position or name, and its calls are mapped back to the Python signature.
         self._schema_signature = self.signature.replace(
@@ -138,14 +168,18 @@ class Op:
 
     def _complete(self, signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Every argument given, defaults filled in: positional ones by position, keyword-only by name."""
-        if (signature is self.signature and len(args) == self._positional_count
-                and kwargs.keys() <= self._keyword_only and self._required_keywords <= kwargs.keys()):
-            kwargs = {**self._keyword_defaults, **kwargs}
-        elif kwargs or len(args) != self._parameter_count or self._keyword_only:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            args = tuple(v for n, v in bound.arguments.items() if n not in self._keyword_only)
-            kwargs = {n: v for n, v in bound.arguments.items() if n in self._keyword_only}
+        if kwargs or len(args) != self._parameter_count or self._keyword_only:
+            key = (signature is self.signature, len(args), tuple(kwargs))
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan(signature, len(args), tuple(kwargs))
+                if len(self._plans) < _MAX_CALL_PLANS:
+                    self._plans[key] = plan
+            positional, keyword = plan
+            args, kwargs = (
+                tuple(_pick(source, args, kwargs) for source in positional),
+                {name: _pick(source, args, kwargs) for name, source in keyword},
+            )
         if self._float_params:
             args = list(args)
             for index, name in self._float_params:
@@ -156,6 +190,14 @@ class Op:
                     args[index] = float(args[index])
             args = tuple(args)
         return args, kwargs
+
+    def _plan(self, signature: inspect.Signature, n_args: int, names: tuple) -> tuple:
+        """Where each argument of the full list comes from, for calls of this shape."""
+        bound = signature.bind(*(_FromArgs(i) for i in range(n_args)), **{n: _FromKwargs(n) for n in names})
+        bound.apply_defaults()
+        sources = [(n, v if isinstance(v, (_FromArgs, _FromKwargs)) else _Default(v)) for n, v in bound.arguments.items()]
+        return (tuple(src for n, src in sources if n not in self._keyword_only),
+                tuple((n, src) for n, src in sources if n in self._keyword_only))
 
     def _device(self, args: tuple, kwargs: dict) -> torch.device:
         index, name = self._device_param
