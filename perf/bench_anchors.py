@@ -98,7 +98,8 @@ def agreement(pair: AnchorPair, size: Size, device: torch.device) -> float:
     return worst
 
 
-def timed(pair: AnchorPair, size: Size, device: torch.device, *, repeats: int, min_iterations: int) -> dict:
+def timed(pair: AnchorPair, size: Size, device: torch.device, *, repeats: int, min_iterations: int,
+          use_nvtx: bool = False) -> dict:
     """Median step and iteration times of both sides, measured alternately."""
     sides = {
         "tritonopt": Entry(pair.name, pair.anchor, lambda model, _: pair.build_tritonopt(model),
@@ -109,7 +110,7 @@ def timed(pair: AnchorPair, size: Size, device: torch.device, *, repeats: int, m
     samples: dict[str, list[dict]] = {side: [] for side in sides}
     for _ in range(repeats):
         for side, entry in sides.items():
-            samples[side].append(measure(entry, size, device, min_iterations=min_iterations, use_nvtx=False))
+            samples[side].append(measure(entry, size, device, min_iterations=min_iterations, use_nvtx=use_nvtx))
             gc.collect()
     row = {}
     for side, rows in samples.items():
@@ -142,6 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(1)  # small models: more threads only add synchronisation, and noise
     primary = harness.primary_backend(device)
     harness.announce_primary(device, primary)
+    use_nvtx = harness.nvtx_enabled(args.nvtx, device)
     if args.smoke:
         sizes, repeats, min_iterations = ["shrunk"], 1, 3
     else:
@@ -174,7 +176,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         smoke_scale=True,
                     ))
                 try:
-                    row.update(timed(pair, size, device, repeats=repeats, min_iterations=min_iterations))
+                    row.update(timed(pair, size, device, repeats=repeats, min_iterations=min_iterations,
+                                     use_nvtx=use_nvtx))
                 except torch.cuda.OutOfMemoryError:
                     print(f"skipped timing {pair.name} at {size_name}: out of GPU memory")
                 rows.append(row)
