@@ -172,7 +172,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     claims.append(harness.Claim(
                         f"{pair.name} agrees with {pair.anchor} after {pair.agreement_steps} steps at {size_name}",
                         row["relative_difference"] <= pair.rtol,
-                        f"relative difference {row['relative_difference']:.2e}, bound {pair.rtol:.0e}",
+                        f"relative difference {row['relative_difference']:.2e}, bound {pair.rtol:.1e}",
                         smoke_scale=True,
                     ))
                 try:
