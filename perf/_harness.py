@@ -102,6 +102,20 @@ def announce_primary(device: torch.device, primary: str) -> None:
         print("the Triton backend is unavailable on this GPU: timing the reference path instead")
 
 
+def training_step_device() -> tuple[torch.device, str]:
+    """The device and primary backend of the optimizer-step benchmarks, announced.
+
+    On the CPU they run on one thread: their models are small, and more threads only add
+    synchronisation, and noise.
+    """
+    device = default_device()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    primary = primary_backend(device)
+    announce_primary(device, primary)
+    return device, primary
+
+
 def entries_per_block(density: float, block_size: int) -> int:
     """``k = ceil(density * block_size)``, at least 1: the entries a blockwise Top-k keeps.
 

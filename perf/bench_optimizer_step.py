@@ -257,11 +257,7 @@ def parser():
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
-    device = harness.default_device()
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # small models: more threads only add synchronisation, and noise
-    primary = harness.primary_backend(device)
-    harness.announce_primary(device, primary)
+    device, primary = harness.training_step_device()
     use_nvtx = harness.nvtx_enabled(args.nvtx, device)
     if args.smoke:
         sizes = ["shrunk"]
