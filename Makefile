@@ -1,8 +1,10 @@
 # Set-up and the main jobs on a fresh machine. Everything installs into $(VENV).
 VENV ?= .venv
 PYTHON ?= python3
-# The CPU build of torch; on a GPU machine use e.g. TORCH_SPEC='torch' (a CUDA build).
 TORCH_SPEC ?= torch==2.13.0
+# Where torch comes from: empty for pip's configured indexes (PyPI's Linux x86_64 wheel is the CUDA
+# build), or one of PyTorch's own, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tritonopt-installed
 # pip shows what it downloads and installs; PIP_FLAGS=--quiet silences it.
@@ -17,8 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> upgrading pip"
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
-	@echo "==> installing $(TORCH_SPEC) (the largest download, the first time)"
-	$(PY) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
+	@echo "==> installing $(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX)) (the largest download, the first time)"
+	$(PY) -m pip install $(PIP_FLAGS) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	@echo "==> installing tritonopt (editable) with its test, perf and demo extras"
 	$(PY) -m pip install $(PIP_FLAGS) -e ".[test,perf,demo]"
 	touch $(STAMP)
