@@ -10,7 +10,7 @@ STAMP := $(VENV)/.tritonopt-installed
 # pip shows what it downloads and installs; PIP_FLAGS=--quiet silences it.
 PIP_FLAGS ?=
 
-.PHONY: install test test-all compile-check demo demo-reference experiments bench autotune anchors bench-anchors clean
+.PHONY: docs install test test-all compile-check demo demo-reference experiments bench autotune anchors bench-anchors clean
 
 install: $(STAMP)
 
@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
 	@echo "==> installing $(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX)) (the largest download, the first time)"
 	$(PY) -m pip install $(PIP_FLAGS) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	@echo "==> installing tritonopt (editable) with its test, perf and demo extras"
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[test,perf,demo]"
+	@echo "==> installing tritonopt (editable) with its test, perf, demo and docs extras"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[test,perf,demo,docs]"
 	touch $(STAMP)
 	@echo "==> installed into $(VENV)"
 
@@ -31,6 +31,11 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q -m "not gpu"
+
+# The documentation site (docs/ and the API reference from the docstrings) into build/site;
+# fails on a page or reference that does not resolve.
+docs: install
+	$(PY) -m mkdocs build --strict
 
 # Compile every kernel for sm_90 (H100) at every config of its autotune space and
 # at ResNet-18 / BERT-base shapes, without a GPU; fails on a compile error, on
