@@ -76,6 +76,18 @@ def device_name() -> str:
     return f"cpu ({platform.machine() or 'unknown arch'}, {torch.get_num_threads()} threads)"
 
 
+def cpu_model() -> str:
+    """The processor's model name (Linux's /proc/cpuinfo), or the architecture where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown processor"
+
+
 def device_label() -> str:
     """Filesystem-safe results folder name: the slugified CUDA device name, else ``"cpu"``."""
     if not cuda_available():

@@ -202,7 +202,8 @@ def main(argv=None) -> list[dict]:
     backend = tritonopt.select_backend(torch.device("cpu"))
     header = (
         f"digits MLP 64-256-256-10, {args.epochs} epochs, batch {args.batch_size}, "
-        f"{args.seeds} seed(s), 1 thread; tritonopt ops on the CPU run the {backend} backend"
+        f"{args.seeds} seed(s), 1 thread; tritonopt ops on the CPU run the {backend} backend; "
+        f"measured on {harness.cpu_model()}, torch {torch.__version__}"
     )
     print(header, flush=True)
     data = load_digits_split()
