@@ -752,7 +752,16 @@ def progress(total: int, description: str, unit: str = "step"):
         from tqdm import tqdm
     except ImportError:
         return _NoProgress()
+    # Whatever answers to the name may be no tqdm (a stand-in module left in sys.modules):
+    # only a class with a bar's methods is used, so that callers can rely on them.
+    is_a_bar = isinstance(tqdm, type) and all(
+        callable(getattr(tqdm, method, None)) for method in _PROGRESS_METHODS)
+    if not is_a_bar:
+        return _NoProgress()
     return tqdm(total=total, desc=description, unit=unit)
+
+
+_PROGRESS_METHODS = ("update", "set_description", "close", "__enter__", "__exit__")
 
 
 class _NoProgress:

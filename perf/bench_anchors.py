@@ -12,18 +12,20 @@ IST-DASLab/EFCP), at the same hyperparameters on the same model and batch:
 * **time**: the step alone and the whole training iteration, each the mean over whole periods
   of the algorithm's schedule (as ``perf.bench_optimizer_step`` measures them), tritonopt's and
   the anchor's alternately, ``--repeats`` times, reporting the median of each; the ratio
-  tritonopt / anchor is the figure, below 1 when tritonopt is faster;
+  tritonopt / anchor is the figure, below 1 when tritonopt is faster, with its spread: the
+  smallest and largest ratio of one repeat's two measurements;
 * the optimizer state each holds.
 
 The anchors are read from checkouts of their repositories under ``--anchors`` (default
 ``.anchors/``, filled by ``make anchors``); hsivan/fosi also needs ``torchopt``. A pair whose
-anchor is missing is reported as skipped. Sizes are ``perf.bench_optimizer_step``'s: ``demo``
+checkout is missing is reported as skipped; a checkout that is there but does not import stops
+the run with the error and how to fix it. Sizes are ``perf.bench_optimizer_step``'s: ``demo``
 (the CPU default, one thread), ``resnet18`` (GPU), ``shrunk`` (``--smoke``).
 
-    python -m perf.bench_anchors [--smoke] [--anchors DIR] [--sizes demo resnet18] [--repeats 3]
+    python -m perf.bench_anchors [--smoke] [--anchors DIR] [--sizes demo resnet18] [--repeats 7]
 
 Results: ``anchors.csv`` in ``perf/results/<device>/``. The exit status is 1 when a pair
-disagrees beyond its bound.
+disagrees beyond its bound, or when a checkout that is there does not import.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Optional
 import torch
 
 from perf import _harness as harness
-from perf.anchors import AnchorMissing, AnchorPair, fosi_anchor, kfac_anchor
+from perf.anchors import AnchorBroken, AnchorMissing, AnchorPair, fosi_anchor, kfac_anchor
 from perf.bench_optimizer_step import SIZES, Entry, Size, measure
 
 NAME = "anchors"
@@ -119,9 +121,20 @@ def timed(pair: AnchorPair, size: Size, device: torch.device, *, repeats: int, m
         row[f"{side}_state_bytes"] = rows[0]["state_bytes"]
     row["step_ratio"] = row["tritonopt_step_ms"] / row["anchor_step_ms"]
     row["iteration_ratio"] = row["tritonopt_iteration_ms"] / row["anchor_iteration_ms"]
+    # The two sides of one repeat ran back to back, under the same load: their ratios show
+    # how far the machine's noise moves the figure.
+    for quantity in ("step", "iteration"):
+        ratios = [ours[f"{quantity}_ms"] / theirs[f"{quantity}_ms"]
+                  for ours, theirs in zip(samples["tritonopt"], samples["anchor"])]
+        row[f"{quantity}_ratio_min"], row[f"{quantity}_ratio_max"] = min(ratios), max(ratios)
     row["parameters"] = rows[0]["parameters"]
     row["iterations"] = rows[0]["iterations"]
     return row
+
+
+def ratio_spread(row: dict, quantity: str) -> str:
+    """The smallest and largest one-repeat ratio, e.g. ``1.18-1.29x``."""
+    return f"{row[f'{quantity}_ratio_min']:.2f}-{row[f'{quantity}_ratio_max']:.2f}x"
 
 
 def parser():
@@ -131,8 +144,8 @@ def parser():
                    help="folder of the anchors' checkouts (default: .anchors/, see `make anchors`)")
     p.add_argument("--sizes", nargs="+", choices=["demo", "resnet18"], default=None,
                    help="default: demo and resnet18 on a GPU, demo on the CPU")
-    p.add_argument("--repeats", type=harness.positive_int, default=3,
-                   help="alternating measurements of each side; the median is reported (default 3)")
+    p.add_argument("--repeats", type=harness.positive_int, default=7,
+                   help="alternating measurements of each side; the median is reported (default 7)")
     return p
 
 
@@ -149,12 +162,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows, claims = [], []
     for size_name in sizes:
         size = SIZES[size_name]
-        pairs = []
+        pairs, broken = [], []
         for module in anchor_modules():
             try:
                 pairs += module.pairs(args.anchors, size)
             except AnchorMissing as missing:
                 print(f"skipped {module.__name__.rsplit('.', 1)[-1]} at {size_name}: {missing}")
+            except AnchorBroken as error:
+                broken.append(f"{module.__name__.rsplit('.', 1)[-1]}: {error}")
+        if broken:
+            # A checkout that is there was meant to be measured: skipping it would pass for a
+            # run with nothing to compare.
+            print("error: an anchor's checkout does not import, nothing measured\n"
+                  + "\n".join(broken), file=sys.stderr)
+            return 1
         with harness.progress(len(pairs), f"{size_name}", unit="pair") as bar:
             for pair in pairs:
                 bar.set_description(f"{size_name}: {pair.name}")
@@ -191,9 +212,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"\n{size_name}: {mine[0]['parameters']:,} parameters")
         print(harness.format_table(
             ["algorithm", "anchor", "step ms", "anchor step ms", "step ratio", "iteration ratio",
-             "state MiB", "anchor state MiB", "rel. difference"],
+             "step ratio range", "state MiB", "anchor state MiB", "rel. difference"],
             [[r["algorithm"], r["anchor"], r["tritonopt_step_ms"], r["anchor_step_ms"], f"{r['step_ratio']:.2f}x",
-              f"{r['iteration_ratio']:.2f}x", r["tritonopt_state_bytes"] / 2**20, r["anchor_state_bytes"] / 2**20,
+              f"{r['iteration_ratio']:.2f}x", ratio_spread(r, "step"),
+              r["tritonopt_state_bytes"] / 2**20, r["anchor_state_bytes"] / 2**20,
               f"{r['relative_difference']:.1e}" if "relative_difference" in r else ""]
              for r in mine]))
     print()

@@ -60,7 +60,7 @@ from typing import Iterator
 import torch
 
 from perf._optimizers import MFAC_HYPER, OptimizerStep
-from perf.anchors import AnchorMissing, AnchorPair, checkout, importable
+from perf.anchors import AnchorBroken, AnchorPair, broken, checkout, importable
 from tritonopt.optim import MFAC, SparseMFAC, optimizer_state_bytes
 from tritonopt.optim._blocks import kept_per_block
 
@@ -112,12 +112,11 @@ def _load(anchors_dir: Path) -> dict:
             try:
                 module = importlib.import_module(module_name)
             except Exception as error:  # any import-time failure of the checkout
-                raise AnchorMissing(f"cannot import {module_name} from the {REPOSITORY} checkout"
-                                    f" at {root} ({error!r})") from error
+                raise broken(root, module_name, error) from error
             # EFCP's top-level packages have generic names (helpers, optimizers): make sure these
             # are EFCP's and not another package already imported under the same name.
             if not Path(module.__file__).resolve().is_relative_to(root):
-                raise AnchorMissing(
+                raise AnchorBroken(
                     f"{module_name} resolves to {module.__file__}, not to the {REPOSITORY}"
                     f" checkout at {root}: another package of that name is already imported"
                 )

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from perf import _optimizers as optimizers
-from perf.anchors import AnchorMissing, AnchorPair, checkout, require
+from perf.anchors import AnchorBroken, AnchorPair, broken, checkout, require
 from tritonopt.optim import FOSI
 
 FOLDER = "fosi"
@@ -38,17 +38,19 @@ SEED = 0
 def load(anchors_dir: Path):
     """hsivan/fosi's ``fosi.torch_optim`` and ``torchopt``, without the package's JAX half."""
     root = checkout(anchors_dir, FOLDER)
-    torchopt = require("torchopt", "the FOSI reference needs torchopt: `pip install torchopt`")
+    torchopt = require("torchopt", "the FOSI reference's torch version needs torchopt:"
+                                   " `make anchors` installs it (or `pip install torchopt`)")
     if "fosi" not in sys.modules:
         package = types.ModuleType("fosi")
         package.__path__ = [str(root / "fosi")]
         sys.modules["fosi"] = package
     elif not any(str(root) in p for p in getattr(sys.modules["fosi"], "__path__", [])):
-        raise AnchorMissing(f"another `fosi` package ({sys.modules['fosi']}) is already imported")
+        raise AnchorBroken(f"another `fosi` package ({sys.modules['fosi']}) is already imported,"
+                           f" not the checkout at {root}: uninstall it")
     try:
         module = importlib.import_module("fosi.torch_optim")
-    except ImportError as error:
-        raise AnchorMissing(f"cannot import fosi.torch_optim from {root}: {error}") from error
+    except Exception as error:  # any import-time failure of the checkout
+        raise broken(root, "fosi.torch_optim", error) from error
     return module, torchopt
 
 

@@ -15,14 +15,16 @@ process it keeps every layer's factors and eigendecompositions locally, like tri
 from __future__ import annotations
 
 import importlib
+import warnings
 from pathlib import Path
 
 import torch
 
 from perf import _optimizers as optimizers
-from perf.anchors import AnchorMissing, AnchorPair, checkout, importable
+from perf.anchors import AnchorBroken, AnchorPair, broken, checkout, importable, installed_as
 
 FOLDER = "kfac-pytorch"
+DISTRIBUTION = "kfac-pytorch"
 SGD_MOMENTUM = optimizers.SGD_MOMENTUM
 
 
@@ -53,15 +55,22 @@ class KFACPytorchStep(optimizers.OptimizerStep):
 
 
 def load(anchors_dir: Path):
-    """kfac-pytorch's ``kfac.preconditioner`` module, from its checkout."""
+    """kfac-pytorch's ``kfac.preconditioner`` module, from its checkout.
+
+    The package asks for its installed version at import (``importlib.metadata``); a clone is
+    not installed, so while it imports its metadata is answered from its ``pyproject.toml``.
+    """
     root = checkout(anchors_dir, FOLDER)
-    with importable(root):
+    with importable(root), installed_as(root, DISTRIBUTION), warnings.catch_warnings():
+        # It notes at import that NVIDIA Apex is absent and torch's flatten is used instead.
+        warnings.filterwarnings("ignore", message="NVIDIA Apex", category=UserWarning)
         try:
             module = importlib.import_module("kfac.preconditioner")
-        except ImportError as error:
-            raise AnchorMissing(f"cannot import kfac.preconditioner from {root}: {error}") from error
-    if not str(Path(module.__file__).resolve()).startswith(str(root.resolve())):
-        raise AnchorMissing(f"another `kfac` package ({module.__file__}) shadows the checkout at {root}")
+        except Exception as error:  # any import-time failure of the checkout
+            raise broken(root, "kfac.preconditioner", error) from error
+    if not Path(module.__file__).resolve().is_relative_to(root.resolve()):
+        raise AnchorBroken(f"another `kfac` package ({module.__file__}) shadows the checkout"
+                           f" at {root}: uninstall it, or import it nowhere before the benchmark")
     return module
 
 
