@@ -1,20 +1,26 @@
 """The M-FAC family's anchor pairs (perf/anchors/efcp.py) on a tiny MLP.
 
 Without a checkout of IST-DASLab/EFCP: tritonopt's sides train, and ``pairs`` says what is
-missing. With one under ``.anchors/EFCP``: both sides of every pair agree after 3 steps
-within the pair's bound.
+missing. With one under ``.anchors/EFCP`` (or the folder ``ANCHORS_DIR`` names): both sides of
+every pair agree after 3 steps within the pair's bound. Fake checkouts show how the loader
+treats one that does not import, and that its stand-in logging modules stay its own.
 """
 
+import contextlib
 import copy
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from perf.anchors import AnchorMissing, _stub_module, efcp
+from perf import _harness as harness
+from perf.anchors import AnchorBroken, AnchorMissing, _stub_module, efcp
 from perf.bench_optimizer_step import Size
 
-EFCP_CHECKOUT = Path(__file__).resolve().parents[1] / ".anchors"
+EFCP_CHECKOUT = Path(os.environ.get("ANCHORS_DIR")
+                     or Path(__file__).resolve().parents[1] / ".anchors")
 
 
 def tiny_mlp() -> torch.nn.Module:
@@ -81,7 +87,7 @@ def test_logging_stub_fails_dunder_lookups_like_a_module():
 
 def test_pairs_agree_with_the_checkout():
     if not (EFCP_CHECKOUT / "EFCP").is_dir():
-        pytest.skip("no checkout of IST-DASLab/EFCP under .anchors/")
+        pytest.skip(f"no checkout of IST-DASLab/EFCP under {EFCP_CHECKOUT}")
     data = batches(3)
     for pair in efcp.pairs(EFCP_CHECKOUT, TINY):
         base = tiny_mlp()
@@ -92,3 +98,61 @@ def test_pairs_agree_with_the_checkout():
         # The steps moved theta far more than the bound.
         assert (theirs - start).abs().max() > 100 * pair.rtol * scale, pair.name
         assert (ours - theirs).abs().max() <= pair.rtol * scale, pair.name
+
+
+@contextlib.contextmanager
+def modules_set_aside(*packages: str):
+    """Set the imported modules of ``packages`` aside for the block, where a fake checkout
+    imports its own under the same names, and put them back after."""
+    def named(name: str) -> bool:
+        return name.split(".")[0] in packages
+
+    saved = {name: module for name, module in sys.modules.items() if named(name)}
+    for name in saved:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        for name in [name for name in sys.modules if named(name)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def fake_checkout(anchors_dir: Path, sparse_source: str) -> None:
+    """An EFCP checkout whose two optimizer modules import what EFCP's import (and ``sparse_source``)."""
+    sparse = anchors_dir / "EFCP" / "optimizers" / "sparse"
+    dense = anchors_dir / "EFCP" / "optimizers" / "dense"
+    sparse.mkdir(parents=True)
+    dense.mkdir(parents=True)
+    sparse_class = "class SparseGradientMFAC:\n    pass\n"
+    (sparse / "SparseGradientMFAC.py").write_text(sparse_source + sparse_class)
+    (dense / "MFAC.py").write_text("import wandb\nclass DenseMFAC:\n    pass\n")
+
+
+def test_logging_stand_ins_stay_with_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # tqdm not installed
+    fake_checkout(tmp_path, "import tqdm\nimport wandb\nfrom tqdm import tqdm as progress_bar\n")
+    before = {name: sys.modules.get(name, "absent") for name in efcp.LOGGING_MODULES}
+    with modules_set_aside("optimizers", "helpers"):
+        classes = efcp._load(tmp_path)
+        sparse_module = sys.modules[classes["SparseMFAC"].__module__]
+    # The checkout's modules got their stand-ins ...
+    assert sparse_module.progress_bar() is None and sparse_module.wandb.log() is None
+    # ... and the rest of the process finds each package as before: missing, or (where it is
+    # installed but was not imported yet) the real one, from its file.
+    for name in efcp.LOGGING_MODULES:
+        after = sys.modules.get(name, "absent")
+        assert after is before[name] or getattr(after, "__file__", None), (name, after)
+    with pytest.raises(ImportError):
+        import tqdm  # noqa: F401
+    with harness.progress(1, "pairs", unit="pair") as bar:  # the silent stand-in, not None
+        bar.update(1)
+
+
+def test_a_checkout_that_does_not_import_is_an_error_not_a_skip(tmp_path):
+    fake_checkout(tmp_path, "raise RuntimeError('needs a GPU build of something')\n")
+    with modules_set_aside("optimizers", "helpers"), pytest.raises(AnchorBroken) as raised:
+        efcp.pairs(tmp_path, TINY)
+    message = str(raised.value)
+    assert "needs a GPU build of something" in message and "make anchors" in message
+    assert str(tmp_path / "EFCP") in message

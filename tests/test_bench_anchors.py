@@ -1,25 +1,34 @@
 """perf.bench_anchors: the lockstep agreement can fail, missing anchors are skipped with a hint,
-and, where the authors' checkouts are present, tritonopt still agrees with them."""
+a checkout that does not import stops the run, and, where the authors' checkouts are present
+(``.anchors/``, or the folder ``ANCHORS_DIR`` names), the smoke run measures every pair and
+tritonopt still agrees with them."""
 
 import contextlib
+import importlib.metadata
 import io
+import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import tritonopt
 
-from _perf import REPO_ROOT, perf_module
+from _perf import REPO_ROOT, output_of, perf_module, read_csv, run_script
+from perf import _harness as harness
 from perf._digits import make_mlp
 from perf._optimizers import OptimizerStep
-from perf.anchors import CHECKOUTS, AnchorMissing, AnchorPair, fosi_anchor, kfac_anchor
+from perf.anchors import (CHECKOUTS, AnchorBroken, AnchorMissing, AnchorPair, _stub_module,
+                          fosi_anchor, kfac_anchor)
 from perf.bench_optimizer_step import SIZES, Size
 
 bench = perf_module("bench_anchors")
 TINY = Size("tiny", lambda: make_mlp(0), 8, (64,), 10, window=4, block_size=1024, kfac_inv_every=2,
             fosi=dict(lr=1e-3, base="adam", k=2, l=0, alpha=0.1, curvature_update_every=3))
-ANCHORS = REPO_ROOT / ".anchors"
+ANCHORS = Path(os.environ.get("ANCHORS_DIR") or REPO_ROOT / ".anchors")
+PAIRS = {"KFAC+SGD", "FOSI-Adam", "S-MFAC", "MFAC"}
 
 
 def sgd_pair(anchor_lr: float) -> AnchorPair:
@@ -82,3 +91,92 @@ def test_make_anchors_fetches_every_checkout_at_a_pinned_commit():
     makefile = (REPO_ROOT / "Makefile").read_text()
     for folder, repository in CHECKOUTS.items():
         assert re.search(rf"\b{folder}={repository}@[0-9a-f]{{40}}\b", makefile), folder
+
+
+@contextlib.contextmanager
+def modules_set_aside(*packages: str):
+    """Set the imported modules of ``packages`` aside for the block, where a fake checkout
+    imports its own under the same names, and put them back after."""
+    def named(name: str) -> bool:
+        return name.split(".")[0] in packages
+
+    saved = {name: module for name, module in sys.modules.items() if named(name)}
+    for name in saved:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        for name in [name for name in sys.modules if named(name)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def write_files(root: Path, files: dict[str, str]) -> None:
+    for relative, text in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
+
+
+def test_a_plain_clone_of_kfac_pytorch_imports(tmp_path):
+    # Its package asks for its installed version at import; a clone under .anchors/ is not installed.
+    try:
+        pytest.skip(f"kfac-pytorch {importlib.metadata.version('kfac-pytorch')} is installed here")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    write_files(tmp_path / "kfac-pytorch", {
+        "pyproject.toml": '[project]\nname = "kfac_pytorch"\nversion = "9.8.7"\n',
+        "kfac/__init__.py": "import importlib.metadata\n"
+                            "__version__ = importlib.metadata.version('kfac-pytorch')\n",
+        "kfac/preconditioner.py": "class KFACPreconditioner:\n    pass\n",
+    })
+    with modules_set_aside("kfac"):
+        module = kfac_anchor.load(tmp_path)
+        assert module.KFACPreconditioner.__module__ == "kfac.preconditioner"
+        assert sys.modules["kfac"].__version__ == "9.8.7"
+    # The stand-in metadata answered that import only.
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("kfac-pytorch")
+
+
+def test_a_checkout_that_does_not_import_stops_the_run(tmp_path):
+    write_files(tmp_path / "kfac-pytorch", {"kfac/__init__.py": "import a_module_nobody_installed\n"})
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (modules_set_aside("kfac"), contextlib.redirect_stdout(stdout),
+          contextlib.redirect_stderr(stderr)):
+        status = bench.main(["--smoke", "--anchors", str(tmp_path), "--out", str(tmp_path / "out")])
+    text = stdout.getvalue() + stderr.getvalue()
+    assert status == 1, text
+    # The import error, where, and how to fix it; the checkouts that are not there are skipped.
+    assert "a_module_nobody_installed" in stderr.getvalue(), text
+    assert f"{tmp_path / 'kfac-pytorch'} is there" in stderr.getvalue(), text
+    assert "make anchors" in stderr.getvalue(), text
+    assert "skipped fosi_anchor" in text and "skipped efcp" in text, text
+    assert not (tmp_path / "out").exists()
+
+
+def test_fosi_without_torchopt_is_an_error_not_a_skip(tmp_path, monkeypatch):
+    (tmp_path / "fosi" / "fosi").mkdir(parents=True)
+    monkeypatch.setitem(sys.modules, "torchopt", None)  # not installed
+    with pytest.raises(AnchorBroken, match="torchopt.*make anchors"):
+        fosi_anchor.pairs(tmp_path, TINY)
+
+
+@pytest.mark.parametrize("tqdm", [None, _stub_module("tqdm")], ids=["absent", "a stand-in module"])
+def test_progress_is_a_bar_whatever_answers_to_tqdm(tqdm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", tqdm)
+    with harness.progress(2, "pairs", unit="pair") as bar:
+        bar.set_description("pairs: one")
+        bar.update(1)
+
+
+def test_smoke_run_with_the_checkouts(tmp_path):
+    absent = [CHECKOUTS[folder] for folder in CHECKOUTS if not (ANCHORS / folder).is_dir()]
+    if absent:
+        pytest.skip(f"no checkout of {', '.join(absent)} under {ANCHORS} (`make anchors`)")
+    result = run_script("bench_anchors", "--smoke", "--anchors", str(ANCHORS), "--out", str(tmp_path))
+    assert result.returncode == 0, output_of(result)
+    assert "skipped" not in result.stdout, output_of(result)
+    rows = read_csv(tmp_path / "anchors.csv")
+    assert {row["algorithm"] for row in rows} == PAIRS, output_of(result)
+    for row in rows:
+        assert float(row["step_ratio_min"]) <= float(row["step_ratio_max"]), row
