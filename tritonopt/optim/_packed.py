@@ -14,7 +14,10 @@ are views of its slice, so the kernels run once per group while
   ``FloatingPointError``, also before anything changes;
 * argument checks of parameters and gradients, run before any state changes;
 * checkpoints that keep every tensor's saved dtype (the base class would cast
-  float state to the parameter's dtype) and carry ``skipped_steps``;
+  float state to the parameter's dtype), carry ``skipped_steps`` and name the
+  layout they were saved for (``param_layout``: each parameter's shape and dtype,
+  in order, per group); a state dict is checked whole (layout, hyperparameters,
+  counters, every entry's shape and dtype) before anything is loaded;
 * copies: ``copy.deepcopy`` and ``pickle`` keep every attribute; the flat
   buffers are rebuilt from the per-parameter state at the next step;
 * :meth:`PackedOptimizer.state_bytes`: the bytes of the state and the work buffers;
@@ -25,6 +28,7 @@ are views of its slice, so the kernels run once per group while
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 import warnings
@@ -117,7 +121,10 @@ class CheckpointSpec:
     ``param_shapes(p)`` returns, with those shapes; it may hold ``optional``
     ones. Entries named in ``like_param`` are shaped like the parameter. The first
     parameter's state also holds the group's entries: tensors ``group_shapes``
-    and integers ``group_counters`` (each below its bound).
+    and integers ``group_counters`` (each below its bound), which ``group_rule``
+    (given that state) may check further by raising ``ValueError``. Tensors named
+    in ``dtypes`` have that dtype; ``step_counters`` are 0-d float32 tensors
+    holding a whole number ``>= 0``. Every floating-point tensor is finite.
     """
 
     per_param: frozenset
@@ -126,6 +133,9 @@ class CheckpointSpec:
     param_shapes: Callable[[torch.Tensor], dict] = _no_entries
     group_shapes: dict = field(default_factory=dict)
     group_counters: dict = field(default_factory=dict)
+    dtypes: dict = field(default_factory=dict)
+    step_counters: frozenset = frozenset()
+    group_rule: Optional[Callable[[dict], None]] = None
 
     def check(self, owner: str, params: Sequence[torch.Tensor], entries: Sequence[Optional[dict]]) -> None:
         if not any(entries):
@@ -134,11 +144,13 @@ class CheckpointSpec:
         for position, (p, entry) in enumerate(zip(params, entries)):
             if not entry:
                 continue
+            if not isinstance(entry, dict):
+                raise ValueError(f"the saved state of a parameter must be a dict, got {type(entry).__name__}")
             expected = dict(self.param_shapes(p))
             required = set(self.per_param) | set(expected) | (group_names if position == 0 else set())
             expected.update({name: tuple(p.shape) for name in self.like_param})
             allowed = required | set(self.optional)
-            unknown = sorted(set(entry) - allowed)
+            unknown = sorted(set(entry) - allowed, key=str)
             if unknown:
                 raise ValueError(
                     f"the saved state holds {unknown}, which {owner} does not keep: "
@@ -156,11 +168,80 @@ class CheckpointSpec:
                 if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
                     got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                     raise ValueError(f"saved state {name!r} has shape {got}, expected {tuple(shape)}")
+            for name in self.step_counters:
+                _check_step_tensor(name, entry.get(name))
+            for name, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if name in self.dtypes and value.dtype != self.dtypes[name]:
+                    raise ValueError(f"saved state {name!r} is {value.dtype}, expected {self.dtypes[name]}")
+                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"saved state {name!r} holds NaN or inf")
             if position == 0:
                 for name, bound in self.group_counters.items():
                     value = entry[name]
                     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= bound:
                         raise ValueError(f"saved state {name!r} must be an int in [0, {bound}], got {value!r}")
+                if self.group_rule is not None:
+                    self.group_rule(entry)
+
+
+def _check_step_tensor(name: str, value) -> None:
+    """A step counter kept as a 0-d float32 tensor: a whole number >= 0 (absent ones are checked elsewhere)."""
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != torch.float32:
+        got = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"saved state {name!r} must be a 0-d float32 tensor, got {got}")
+    count = float(value)
+    if not (math.isfinite(count) and count >= 0 and count == int(count)):
+        raise ValueError(f"saved state {name!r} must hold a whole number >= 0, got {count!r}")
+
+
+LAYOUT_KEY = "param_layout"
+
+
+def param_layout(groups: Sequence[dict]) -> list[list[tuple]]:
+    """Each group's parameters as ``(shape, dtype)`` pairs, in order: what a checkpoint was saved for."""
+    return [[(tuple(p.shape), p.dtype) for p in group["params"]] for group in groups]
+
+
+def check_param_layout(saved, groups: Sequence[dict]) -> None:
+    """``saved`` (a state dict's ``param_layout``) names exactly the parameters of ``groups``; else ``ValueError``.
+
+    A checkpoint resumes only the parameters it was saved for: a flat window
+    or buffer read for other shapes, another order or another dtype would mix
+    their coordinates without any shape telling.
+    """
+    if saved is None:
+        raise ValueError(
+            f"the state dict has no {LAYOUT_KEY!r} (the shape and dtype of each parameter it was saved for), so "
+            "it cannot be checked against this optimizer's parameters; save it with this version's state_dict()"
+        )
+    mine = param_layout(groups)
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(mine):
+        raise ValueError(f"{LAYOUT_KEY} must list one group per parameter group ({len(mine)}), got {saved!r}")
+    for index, (saved_group, group) in enumerate(zip(saved, mine)):
+        entries = []
+        if isinstance(saved_group, (list, tuple)):
+            for item in saved_group:
+                if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], (list, tuple))
+                        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in item[0])
+                        and isinstance(item[1], torch.dtype)):
+                    raise ValueError(f"{LAYOUT_KEY}[{index}] must hold (shape, dtype) pairs, got {item!r}")
+                entries.append((tuple(item[0]), item[1]))
+        else:
+            raise ValueError(f"{LAYOUT_KEY}[{index}] must be a list of (shape, dtype) pairs, got {saved_group!r}")
+        if entries != group:
+            raise ValueError(
+                f"{LAYOUT_KEY}: the state dict was saved for parameters {_describe(entries)} in group {index}, "
+                f"this optimizer has {_describe(group)}; a checkpoint resumes only the parameters it was saved "
+                "for (same shapes, dtypes and order)"
+            )
+
+
+def _describe(layout: Sequence[tuple]) -> str:
+    return "[" + ", ".join(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in layout) + "]"
 
 
 def _caller_stacklevel() -> int:
@@ -291,27 +372,57 @@ class PackedOptimizer(Optimizer):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["skipped_steps"] = self.skipped_steps
+        state[LAYOUT_KEY] = param_layout(self.param_groups)
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        skipped = state_dict.pop("skipped_steps", 0)
-        saved_state = state_dict["state"]
-        saved_groups = state_dict["param_groups"]
+    def check_state_dict(self, state_dict) -> None:
+        """Raise ``ValueError`` naming the first problem unless :meth:`load_state_dict` can load ``state_dict``.
+
+        Checks, without modifying anything: the parameter layout it was saved for
+        (``param_layout``), every group's hyperparameters, ``skipped_steps``, that
+        the state belongs to listed parameters, and every entry's names, shapes,
+        dtypes, counters and finiteness (:meth:`_checkpoint_spec`).
+        """
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
+            state_dict.get("param_groups"), (list, tuple)
+        ):
+            raise ValueError("state_dict must be a dict with 'state' (a dict) and 'param_groups' (a list), "
+                             "as state_dict() returns")
+        saved_state, saved_groups = state_dict["state"], state_dict["param_groups"]
+        if not all(isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) for g in saved_groups):
+            raise ValueError("each of the state dict's param_groups must be a dict with a 'params' list")
         if len(saved_groups) != len(self.param_groups) or any(
             len(saved["params"]) != len(group["params"]) for saved, group in zip(saved_groups, self.param_groups)
         ):
             raise ValueError("the state dict's parameter groups do not match the optimizer's (count or sizes)")
+        saved_ids = list(itertools.chain.from_iterable(g["params"] for g in saved_groups))
+        if len(set(saved_ids)) != len(saved_ids):
+            raise ValueError("the state dict's param_groups list a parameter id more than once")
+        strays = sorted(set(saved_state) - set(saved_ids), key=str)
+        if strays:
+            raise ValueError(f"the state dict holds state for parameter ids {strays} that no parameter group lists")
+        check_param_layout(state_dict.get(LAYOUT_KEY), self.param_groups)
+        skipped = state_dict.get("skipped_steps", 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"skipped_steps must be an int >= 0, got {skipped!r}")
         hypers = [{**self.defaults, **{k: v for k, v in saved.items() if k != "params"}} for saved in saved_groups]
-        for hyper in hypers:
-            self._check_group(hyper)
+        for index, hyper in enumerate(hypers):
+            try:
+                self._check_group(hyper)
+            except TypeError as error:  # a checkpoint's field of the wrong kind is a bad value of the state dict
+                raise ValueError(f"param_groups[{index}]: {error}") from error
         self._check_group_set(hypers)
         for index, (saved, group, hyper) in enumerate(zip(saved_groups, self.param_groups, hypers)):
             spec = self._checkpoint_spec(index, hyper, group["params"])
             if spec is not None:
                 spec.check(type(self).__name__, group["params"], [saved_state.get(i) for i in saved["params"]])
-        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-            raise ValueError(f"skipped_steps must be an int >= 0, got {skipped!r}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.check_state_dict(state_dict)
+        state_dict = dict(state_dict)
+        skipped = state_dict.pop("skipped_steps", 0)
+        state_dict.pop(LAYOUT_KEY)
+        saved_state = state_dict["state"]
         saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         super().load_state_dict(state_dict)
         # The base class casts float state to the parameter's dtype; keep the saved dtypes.

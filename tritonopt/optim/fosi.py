@@ -555,6 +555,9 @@ class FOSI(PackedOptimizer):
                         raise ValueError(f"state {name!r} of parameter {pid} must have shape {shape}, got {got}")
                     if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
                         raise ValueError(f"state {name!r} of parameter {pid} must be finite floating point")
+        # The rule every packed optimizer keeps: the parameter layout it was saved for, the
+        # hyperparameters, skipped_steps; checked here so that a distributed subspace agrees on it.
+        super().check_state_dict(state_dict)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()

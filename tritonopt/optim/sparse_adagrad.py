@@ -92,7 +92,9 @@ class SparseAdaGrad(PackedOptimizer):
 
     def _checkpoint_spec(self, index: int, group: dict, params) -> CheckpointSpec:
         return CheckpointSpec(per_param=frozenset({"step", "error", "sum_sq"}),
-                              like_param=frozenset({"error", "sum_sq"}))
+                              like_param=frozenset({"error", "sum_sq"}),
+                              dtypes={"error": torch.float32, "sum_sq": torch.float32},
+                              step_counters=frozenset({"step"}))
 
     def add_param_group(self, param_group: dict) -> None:
         if "k" in param_group and "density" not in param_group:

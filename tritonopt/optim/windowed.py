@@ -199,8 +199,14 @@ class WindowedPreconditioner(PackedOptimizer):
         else:
             window_params = [p for g in self.param_groups for p in g["params"]]
             first = index == 0
-        group_entries, param_entries = self.WINDOW.state_layout(group, window_params, self._work_dtype(window_params))
+        dtype = self._work_dtype(window_params)
+        group_entries, param_entries = self.WINDOW.state_layout(group, window_params, dtype)
         error = {"error"} if self.WINDOW.ERROR_FEEDBACK else set()
+        dtypes = {"momentum_buffer": dtype, "error": self.WINDOW.error_dtype(group)}
+        for p in window_params[:1]:  # every parameter's own entries share their dtypes
+            dtypes.update({name: entry_dtype for name, (_, entry_dtype) in param_entries(p).items()})
+        if first:
+            dtypes.update({name: entry_dtype for name, (_, entry_dtype) in group_entries.items()})
         return CheckpointSpec(
             per_param=frozenset({"step"} | error),
             like_param=frozenset(error | {"momentum_buffer"}),
@@ -208,6 +214,9 @@ class WindowedPreconditioner(PackedOptimizer):
             param_shapes=lambda p: {name: shape for name, (shape, _) in param_entries(p).items()},
             group_shapes={name: shape for name, (shape, _) in group_entries.items()} if first else {},
             group_counters={"ring_slot": group["ngrads"] - 1, "ring_filled": group["ngrads"]} if first else {},
+            dtypes=dtypes,
+            step_counters=frozenset({"step"}),
+            group_rule=_check_ring_position if first else None,
         )
 
     def error_norm_ratios(self) -> list[Optional[float]]:
@@ -375,6 +384,16 @@ class WindowedPreconditioner(PackedOptimizer):
         ring["ring_slot"] = (slot + 1) % m
         ring["ring_filled"] = min(ring["ring_filled"] + 1, m)
         return slot
+
+
+def _check_ring_position(ring: dict) -> None:
+    """While a window fills, the next row to write is the first unwritten one (``ring_slot == ring_filled``)."""
+    m = ring["dots"].shape[0]
+    if ring["ring_filled"] < m and ring["ring_slot"] != ring["ring_filled"]:
+        raise ValueError(
+            f"saved state 'ring_slot' is {ring['ring_slot']} but 'ring_filled' is {ring['ring_filled']} < {m}: "
+            "while a window fills, ring_slot must equal ring_filled"
+        )
 
 
 def _padded_numel(params: Sequence[torch.Tensor], block_size: int) -> int:
