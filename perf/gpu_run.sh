@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One pass of the GPU checks on a CUDA machine, for the phases named on the command line:
-#   env      nvidia-smi, versions
-#   gpu      pytest -m gpu
-#   suite    the default suite (pytest, in parallel with pytest-xdist when installed)
-#   bench    every perf/bench_<op>.py
-#   autotune perf/autotune.py for ResNet-18 and BERT-base
-#   e2e      perf/bench_optimizer_step.py (every optimizer's step at the demo's and ResNet-18 size)
-# Logs go to $LOG_DIR (default perf/results/<gpu>/logs); results to perf/results/<gpu>/.
+# One pass of the GPU checks on a CUDA machine, for the phases named on the command line, in that
+# order. Minutes are estimates for one H100 (none of these phases has been timed on one yet):
+#   env       1   nvidia-smi, versions
+#   gpu       3   pytest -m gpu: every kernel against its reference on CUDA tensors
+#   suite     8   the default suite (pytest, in parallel with pytest-xdist when installed)
+#   bench     8   every perf/bench_<op>.py (each kernel against its floor and the torch composite)
+#   autotune  5   perf/autotune.py for ResNet-18 and BERT-base
+#   e2e       4   perf/bench_optimizer_step.py at the demo's and ResNet-18 size
+# About 29 minutes for all six; each phase stops after PHASE_TIMEOUT seconds (default 600) and
+# never stops the others. Results go to perf/results/<gpu>/ (<gpu>: the device's name, slugified),
+# the logs and a summary of every phase (exit status, seconds) to perf/results/<gpu>/logs/.
 #   bash perf/gpu_run.sh env gpu suite bench autotune e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +18,9 @@ PY=${PYTHON:-python3}
 label=$($PY -c 'from perf._harness import device_label; print(device_label())')
 LOG_DIR=${LOG_DIR:-perf/results/$label/logs}
 mkdir -p "$LOG_DIR"
-PHASE_TIMEOUT=${PHASE_TIMEOUT:-300}
+PHASE_TIMEOUT=${PHASE_TIMEOUT:-600}
+SUMMARY=$LOG_DIR/summary.tsv
+[ -f "$SUMMARY" ] || printf 'phase\texit\tseconds\n' >"$SUMMARY"
 xdist=$($PY -c 'import xdist' 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}")
 
 run() {  # run NAME CMD...: time-limited, logged, never stops the other phases
@@ -25,6 +30,7 @@ run() {  # run NAME CMD...: time-limited, logged, never stops the other phases
   timeout "$PHASE_TIMEOUT" "$@" >"$LOG_DIR/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - start)) s"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >>"$SUMMARY"
   tail -n 15 "$LOG_DIR/$name.log"
 }
 
@@ -36,11 +42,15 @@ for phase in "$@"; do
     gpu) run pytest_gpu $PY -m pytest -q -m gpu -p no:cacheprovider --junitxml="$LOG_DIR/pytest_gpu.xml" ;;
     suite) run pytest_suite $PY -m pytest -q $xdist -p no:cacheprovider --junitxml="$LOG_DIR/pytest_suite.xml" ;;
     bench)
-      for b in ef_topk sparse_ring lowrank kfac lanczos sgd_momentum; do
-        run bench_$b $PY -m perf.bench_$b
+      # Every kernel and layer benchmark there is (not the optimizer-step one, which is e2e, nor
+      # bench_anchors, which needs the authors' checkouts).
+      for path in perf/bench_*.py; do
+        b=$(basename "$path" .py)
+        case $b in bench_optimizer_step|bench_anchors) continue ;; esac
+        run "$b" $PY -m "perf.$b"
       done ;;
     autotune) run autotune $PY -m perf.autotune --model resnet18 bert-base ;;
-    e2e) run e2e $PY -m perf.bench_optimizer_step ;;
+    e2e) run e2e $PY -m perf.bench_optimizer_step --sizes demo resnet18 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -1,0 +1,52 @@
+"""perf/gpu_run.sh, the one command for a GPU machine: it parses, names its phases, and runs every benchmark."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from _perf import PERF_DIR, REPO_ROOT
+
+SCRIPT = PERF_DIR / "gpu_run.sh"
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def run(*phases: str, tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "LOG_DIR": str(tmp_path)}
+    return subprocess.run(["bash", str(SCRIPT), *phases], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_script_parses():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+def test_every_documented_phase_is_handled_and_an_unknown_one_is_refused(tmp_path):
+    text = SCRIPT.read_text()
+    documented = re.findall(r"^#   (\w+)\s+\d+\s", text, re.M)
+    assert documented == ["env", "gpu", "suite", "bench", "autotune", "e2e"]
+    for phase in documented:
+        assert re.search(rf"^\s+{phase}\)", text, re.M), phase
+    result = run("no_such_phase", tmp_path=tmp_path)
+    assert result.returncode == 2 and "unknown phase no_such_phase" in result.stdout
+
+
+def test_the_bench_phase_runs_every_kernel_benchmark(tmp_path):
+    # PYTHON=echo-like stand-in: a python that only records the modules it was asked to run.
+    recorder = tmp_path / "python"
+    recorder.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -m ]; then echo "$2" >> {tmp_path}/ran; exit 0; fi\n'
+                        f'exec {sys.executable} "$@"\n')
+    recorder.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(recorder), "LOG_DIR": str(tmp_path)}
+    result = subprocess.run(["bash", str(SCRIPT), "bench"], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ran = (tmp_path / "ran").read_text().split()
+    expected = sorted(f"perf.{p.stem}" for p in PERF_DIR.glob("bench_*.py")
+                      if p.stem not in ("bench_optimizer_step", "bench_anchors"))
+    assert sorted(ran) == expected and "perf.bench_ssd_sgd" in ran
+    summary = (tmp_path / "summary.tsv").read_text().splitlines()
+    assert summary[0] == "phase\texit\tseconds" and len(summary) == 1 + len(expected)
