@@ -78,8 +78,10 @@ bench: install
 
 # The authors' implementations that perf.bench_anchors compares with (not dependencies of
 # tritonopt): checkouts at the commits the README's figures were measured with, in
-# $(ANCHORS_DIR), and torchopt, which hsivan/fosi's torch version needs.
+# $(ANCHORS_DIR), and torchopt, which hsivan/fosi's torch version needs. The checkouts are
+# imported from where they are, not installed. ANCHORS_URL: where owner/name is cloned from.
 ANCHORS_DIR ?= .anchors
+ANCHORS_URL ?= https://github.com
 ANCHOR_CHECKOUTS := \
 	kfac-pytorch=gpauloski/kfac-pytorch@869cf110334e5a6e9ea054bafdc4558313a821e8 \
 	fosi=hsivan/fosi@cf040ce1a3ddfdc8bf3071ef825874fb529ac4fa \
@@ -88,9 +90,11 @@ ANCHOR_CHECKOUTS := \
 anchors: install
 	@for spec in $(ANCHOR_CHECKOUTS); do \
 		folder=$${spec%%=*}; rest=$${spec#*=}; repo=$${rest%@*}; commit=$${rest#*@}; \
-		test -d $(ANCHORS_DIR)/$$folder || git clone -q https://github.com/$$repo $(ANCHORS_DIR)/$$folder || exit 1; \
-		git -C $(ANCHORS_DIR)/$$folder checkout -q $$commit || exit 1; \
-		echo "==> $(ANCHORS_DIR)/$$folder: $$repo at $$commit"; \
+		dir=$(ANCHORS_DIR)/$$folder; \
+		test -d $$dir || git clone -q $(ANCHORS_URL)/$$repo $$dir || exit 1; \
+		git -C $$dir cat-file -e $$commit^{commit} 2>/dev/null || git -C $$dir fetch -q origin || exit 1; \
+		git -C $$dir checkout -q $$commit || exit 1; \
+		echo "==> $$dir: $$repo at $$commit"; \
 	done
 	$(PY) -m pip install $(PIP_FLAGS) torchopt
 
