@@ -1,13 +1,18 @@
 """K-FAC's precision options against float64 oracles: loss scaling, factor and eigen storage dtypes,
-the inverse method, and the functional pieces."""
+the inverse method, training under torch.autocast (in one process and on two gloo ranks), and the
+functional pieces."""
 
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
+from _distributed import run_on_ranks
+from conftest import triton_runs_here
 from torch import nn
 
 import tritonopt
+from tritonopt.dist.kaisa import KAISAPreconditioner
 from tritonopt.optim import functional as F
 from tritonopt.optim import kfac_functional
 from tritonopt.optim.kfac import KFACPreconditioner
@@ -237,6 +242,182 @@ def test_grad_scaler_may_be_a_function_and_is_checked():
     bad.model(torch.randn(5, 3)).sum().backward()  # the hook records it
     with pytest.raises(ValueError, match="scale is 0.0"):
         bad.step()
+
+
+# --------------------------------------------------------------------------- autocast
+
+PRECONDITIONERS = {"KFAC": KFACPreconditioner, "KAISA": KAISAPreconditioner}
+AUTOCAST_STEPS = 4
+# Relative Frobenius distance allowed between the first statistic under autocast and the float32
+# run's. The forward rounds each activation and weight to half precision (bfloat16 u = 2^-8) and
+# the backward each output gradient; a statistic entry sums products of two such values, so it is
+# off by about u relative (3.2e-3 measured for bfloat16, 4.2e-4 for float16). 2^-6 is four
+# bfloat16 units; a statistic holding the squared loss scale, or garbage, is far outside it. That
+# the products themselves stay float32 is checked bit for bit (the first layer, and the ops).
+AUTOCAST_FACTOR_TOLERANCE = 2.0**-6
+
+
+def make_conv_model():
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Conv2d(2, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+
+
+def autocast_run(preconditioner, dtype=None, *, scaled=False, backend="reference"):
+    """``AUTOCAST_STEPS`` steps of the README's loop over SGD on one batch, the forward under
+    ``torch.autocast("cpu", dtype)`` (none when ``dtype`` is None), with a ``GradScaler`` passed as
+    ``grad_scaler=`` when ``scaled``. Returns the model, the preconditioner, the losses and the
+    factors after the first step."""
+    model = make_conv_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+    kfac = PRECONDITIONERS[preconditioner](model, damping=0.03, inv_update_steps=2, lr=0.1,
+                                           grad_scaler=scaler if scaled else None)
+    gen = torch.Generator().manual_seed(6)
+    x, y = torch.randn(16, 2, 6, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    losses, first = [], None
+    with tritonopt.use_backend(backend):
+        for step in range(AUTOCAST_STEPS):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = nn.functional.cross_entropy(model(x), y)
+            losses.append(loss.item())
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            assert kfac.step()
+            scaler.step(opt)
+            scaler.update()
+            if step == 0:
+                first = [(l.a_factor.clone(), l.g_factor.clone()) for l in kfac.layers]
+    return model, kfac, losses, first
+
+
+def relative_distance(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def first_statistic(factor, decay=0.95):
+    """This step's ``X^T X / n`` from the factor after the first update, ``decay I + (1 - decay) S``."""
+    return (factor.double() - decay * torch.eye(factor.shape[0], dtype=torch.float64)) / (1 - decay)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("preconditioner", list(PRECONDITIONERS))
+def test_kfac_and_kaisa_train_under_autocast_with_float32_factors(preconditioner, dtype, scaled):
+    model, kfac, losses, first = autocast_run(preconditioner, dtype, scaled=scaled)
+    _, _, _, float32_first = autocast_run(preconditioner)
+    assert losses[-1] < losses[0]
+    assert all(p.isfinite().all() for p in model.parameters())
+    for layer in kfac.layers:
+        assert layer.a_factor.dtype == layer.g_factor.dtype == torch.float32
+        assert layer.a_factor.isfinite().all() and layer.g_factor.isfinite().all()
+    # The first layer sees the float32 input: its A is the float32 run's, bit for bit.
+    assert torch.equal(first[0][0], float32_first[0][0])
+    for factor, float32_factor in zip(sum(first, ()), sum(float32_first, ())):
+        assert relative_distance(first_statistic(factor), first_statistic(float32_factor)) <= AUTOCAST_FACTOR_TOLERANCE
+
+
+def test_a_power_of_two_loss_scale_changes_nothing_under_bfloat16_autocast():
+    # bfloat16 has float32's exponent range: scaling by 2^16 and unscaling are exact.
+    plain_model, plain, _, _ = autocast_run("KFAC", torch.bfloat16)
+    scaled_model, scaled, _, _ = autocast_run("KFAC", torch.bfloat16, scaled=True)
+    for p, q in zip(plain_model.parameters(), scaled_model.parameters()):
+        assert torch.equal(p, q)
+    for l1, l2 in zip(plain.layers, scaled.layers):
+        assert torch.equal(l1.g_factor, l2.g_factor)
+
+
+@pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
+def test_the_triton_backend_gives_the_reference_factors_under_autocast():
+    _, reference, _, _ = autocast_run("KFAC", torch.bfloat16)
+    _, triton, _, _ = autocast_run("KFAC", torch.bfloat16, backend="triton")
+    for l1, l2 in zip(reference.layers, triton.layers):
+        assert torch.allclose(l1.a_factor, l2.a_factor, rtol=1e-4, atol=1e-6)
+        assert torch.allclose(l1.g_factor, l2.g_factor, rtol=1e-4, atol=1e-6)
+
+
+def test_the_reference_ops_compute_in_float32_under_autocast():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 5, generator=gen)
+    q = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=torch.float64))[0].float()
+    qa, qg, grad = q, q[:4, :4].contiguous(), torch.randn(4, 6, generator=gen)
+    da, dg = torch.rand(6, generator=gen), torch.rand(4, generator=gen)
+    expected_factor = torch.zeros(6, 6)
+    tritonopt.ops.kfac_factor_update(expected_factor, x, 0.0, append_bias=True)
+    expected_p = tritonopt.ops.eigenbasis_precondition(grad, qa, da, qg, dg, 0.1)
+    expected_inverse = F.kfac_precondition(grad, {"a_inv": qa, "g_inv": qg}, damping=0.1)
+    q4 = torch.linalg.qr(torch.randn(4, 4, generator=gen, dtype=torch.float64))[0]
+    indefinite = ((q4 * torch.tensor([-2.0, 1.0, 2.0, 3.0], dtype=torch.float64)) @ q4.T).float()
+    assert torch.linalg.cholesky_ex(indefinite + 0.1 * torch.eye(4)).info != 0  # the eigen fallback runs
+    (expected_fallback,) = F.kfac_inverses([indefinite], 0.1)
+    for dtype in (torch.bfloat16, torch.float16):
+        factor = torch.zeros(6, 6)
+        with torch.autocast("cpu", dtype=dtype):
+            tritonopt.ops.kfac_factor_update(factor, x, 0.0, append_bias=True)
+            p = tritonopt.ops.eigenbasis_precondition(grad, qa, da, qg, dg, 0.1)
+            inverse = F.kfac_precondition(grad, {"a_inv": qa, "g_inv": qg}, damping=0.1)
+            (fallback,) = F.kfac_inverses([indefinite], 0.1)
+        assert torch.equal(factor, expected_factor)
+        assert p.dtype == torch.float32 and torch.equal(p, expected_p)
+        assert inverse.dtype == torch.float32 and torch.equal(inverse, expected_inverse)
+        assert fallback.dtype == torch.float32 and torch.equal(fallback, expected_fallback)
+
+
+KAISA_WORLD = 2
+
+
+def kaisa_autocast_on_ranks(rank, world_size):
+    """Each rank trains on its half of the batch under bfloat16 autocast, and under float16 autocast
+    with a GradScaler, averaging the gradients as DDP does."""
+    out = {}
+    gen = torch.Generator().manual_seed(6)
+    x, y = torch.randn(16, 2, 6, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    shard = slice(rank * 8, rank * 8 + 8)
+    with tritonopt.use_backend("reference"):
+        for name, dtype, scaled in (("bf16", torch.bfloat16, False), ("fp16_scaler", torch.float16, True)):
+            model = make_conv_model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+            kaisa = KAISAPreconditioner(model, grad_worker_fraction=0.5, damping=0.03, inv_update_steps=2,
+                                        lr=0.1, g_batch_scale=True, grad_scaler=scaler if scaled else None)
+            losses, accepted = [], []
+            for _ in range(AUTOCAST_STEPS):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = nn.functional.cross_entropy(model(x[shard]), y[shard])
+                losses.append(loss.item())
+                scaler.scale(loss).backward()
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world_size)
+                scaler.unscale_(opt)
+                accepted.append(kaisa.step())
+                scaler.step(opt)
+                scaler.update()
+            out[name] = {
+                "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                "losses": losses, "accepted": accepted,
+                "factor_dtypes": {str(t.dtype) for l in kaisa.layers for t in (l.a_factor, l.g_factor)},
+                "factors_finite": all(bool(t.isfinite().all()) for l in kaisa.layers
+                                      for t in (l.a_factor, l.g_factor)),
+            }
+    return out
+
+
+@pytest.fixture(scope="module")
+def kaisa_autocast_results():
+    return run_on_ranks(KAISA_WORLD, kaisa_autocast_on_ranks, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16_scaler"])
+def test_kaisa_trains_under_autocast_on_two_ranks(kaisa_autocast_results, name):
+    runs = [result[name] for result in kaisa_autocast_results]
+    for run in runs:
+        assert run["accepted"] == [True] * AUTOCAST_STEPS
+        assert run["factor_dtypes"] == {"torch.float32"} and run["factors_finite"]
+        assert run["params"].isfinite().all()
+    assert torch.equal(runs[0]["params"], runs[1]["params"])
+    assert sum(run["losses"][-1] for run in runs) < sum(run["losses"][0] for run in runs)
 
 
 # --------------------------------------------------------------------------- functional pieces

@@ -32,6 +32,7 @@ inverse            ``a_inv``, ``g_inv``                            ``[a,a]``, ``
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -65,6 +66,14 @@ COMPUTE_METHODS = ("eigen", "inverse")
 
 def _precision(precision: Optional[str]) -> dict:
     return {} if precision is None else {"precision": precision}
+
+
+def _float32_products(device: torch.device):
+    """Autocast off for ``device``: the inverse method's products stay float32 when a
+    step runs inside the caller's ``torch.autocast`` (entered only when it is on)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class Decomposition(NamedTuple):
@@ -220,7 +229,8 @@ def kfac_inverses(factors: Sequence[torch.Tensor], damping: float) -> list[Optio
                 results[i] = inverses[k].contiguous()
             elif decompositions[i] is not None:
                 values, vectors = decompositions[i]
-                results[i] = ((vectors / (values + damping)) @ vectors.T).contiguous()
+                with _float32_products(vectors.device):
+                    results[i] = ((vectors / (values + damping)) @ vectors.T).contiguous()
     return results
 
 
@@ -266,7 +276,8 @@ def kfac_precondition(
     if not eigen:
         return grad
     if "a_inv" in eigen:
-        return eigen["g_inv"].to(torch.float32) @ grad @ eigen["a_inv"].to(torch.float32)
+        with _float32_products(grad.device):
+            return eigen["g_inv"].to(torch.float32) @ grad @ eigen["a_inv"].to(torch.float32)
     if "inv_denominator" in eigen:
         return eigenbasis_precondition_prediv(grad, eigen["qa"], eigen["qg"], eigen["inv_denominator"],
                                               **_precision(precision))
