@@ -226,7 +226,8 @@ def test_grad_scaler_unscales_the_g_factors():
         assert torch.equal(p, q)
     for l1, l2 in zip(plain.layers, scaled.layers):
         assert torch.equal(l1.g_factor, l2.g_factor)
-    _, unaware = amp_run(scaled=True, grad_scaler_argument=False)
+    with pytest.warns(RuntimeWarning, match="grad_scaler="):
+        _, unaware = amp_run(scaled=True, grad_scaler_argument=False)
     ratio = unaware.layers[1].g_factor.trace() / plain.layers[1].g_factor.trace()
     assert ratio > 1e3, "without grad_scaler, G holds the squared loss scale"
 

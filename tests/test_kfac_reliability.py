@@ -186,6 +186,74 @@ def test_an_empty_batch_is_reported_not_raised_from_a_hook():
     assert kfac.step() is True and all(l.a_factor is not None for l in kfac.layers)
 
 
+# --------------------------------------------------------------------------- a loss scale K-FAC was not told
+
+
+def scaler_run(cls, *, scaled=True, grad_scaler_argument=False, dtype=None, between=None, steps=5):
+    """The README's loop with a ``GradScaler`` (``scaled``), passed as ``grad_scaler=`` or not, the
+    forward under ``torch.autocast(dtype)`` when ``dtype`` is given; ``between(model, step)`` runs
+    between ``scaler.unscale_`` and ``kfac.step()``. Returns the loss-scale warnings and the steps taken."""
+    model = make_mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+    kfac = cls(model, grad_scaler=scaler if grad_scaler_argument else None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(steps):
+            sgd.zero_grad()
+            gen = torch.Generator().manual_seed(t)
+            x, y = torch.randn(8, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(sgd)
+            if between is not None:
+                between(model, t)
+            if kfac.step():
+                scaler.step(sgd)
+            scaler.update()
+    return [w for w in caught if "grad_scaler=" in str(w.message)], kfac.steps
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16], ids=["float32", "bf16", "fp16"])
+@pytest.mark.parametrize("cls", [KFACPreconditioner, KAISAPreconditioner])
+def test_a_grad_scaler_not_passed_as_grad_scaler_is_reported_once(cls, dtype):
+    reported, steps = scaler_run(cls, dtype=dtype)
+    assert steps == 5
+    assert len(reported) == 1 and reported[0].category is RuntimeWarning
+    assert "2^16 times" in str(reported[0].message)
+
+
+@pytest.mark.parametrize("case", ["no_scaler", "grad_scaler_passed", "disabled_scaler", "clipped",
+                                  "accumulated", "one_step_scaled_by_a_power_of_two"])
+def test_no_loss_scale_is_reported_where_there_is_none(case):
+    def clip(model, t):
+        nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # a large factor, not a power of two
+
+    def accumulate(model, t):  # the gradients of earlier steps are still in .grad
+        if t == 0:
+            accumulate.kept = [p.grad.clone() for p in model.parameters()]
+        for p, kept in zip(model.parameters(), accumulate.kept):
+            p.grad.add_(kept)
+
+    def one_step(model, t):  # 2^8 on one step only: a coincidence, not a loss scale
+        if t == 2:
+            for p in model.parameters():
+                p.grad.div_(256)
+
+    options = {
+        "no_scaler": dict(scaled=False),
+        "grad_scaler_passed": dict(grad_scaler_argument=True),
+        "disabled_scaler": dict(scaled=False, grad_scaler_argument=True),
+        "clipped": dict(scaled=False, between=clip),
+        "accumulated": dict(scaled=False, between=accumulate),
+        "one_step_scaled_by_a_power_of_two": dict(scaled=False, between=one_step),
+    }[case]
+    for dtype in (None, torch.bfloat16):
+        reported, steps = scaler_run(KFACPreconditioner, dtype=dtype, **options)
+        assert reported == [] and steps == 5
+
+
 # --------------------------------------------------------------------------- layers, DDP
 
 

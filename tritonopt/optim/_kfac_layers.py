@@ -73,6 +73,9 @@ class KFACLayer:
     g_count: int = 0
     # Micro-batches of this step that reached the layer with no rows.
     empty_batches: int = 0
+    # float32 sum of this step's output-gradient rows as the hooks saw them: with a bias it
+    # should equal the bias gradient, which tells an unannounced loss scale (None: not watched).
+    g_sum: Optional[torch.Tensor] = None
     # Eigen data (see tritonopt.optim.kfac_functional.eigen_shapes), in the inverse dtype.
     eigen: dict = field(default_factory=dict)
 

@@ -64,6 +64,16 @@ __all__ = ["BaseKFACPreconditioner", "HYPERPARAMETERS", "Schedule", "check_hyper
 Schedule = Union[float, int, Callable[[int], float]]
 HYPERPARAMETERS = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
 
+# An unannounced loss scale is reported when the output gradients the hooks saw are 2^k
+# (k >= this) times the gradients step() preconditions. A GradScaler starts at 2^16 and
+# halves only on overflow; a smaller power of two is likelier a coincidence (a clip factor).
+_SMALLEST_REPORTED_SCALE_EXPONENT = 8
+# How far the two sums may differ beyond the power of two: a bias gradient computed in half
+# precision is rounded there (2.5e-3 measured for a bfloat16 Conv2d), the hooks' sum is float32.
+_LOSS_SCALE_TOLERANCE = 2.0**-6
+# Steps in a row that must show the same kind of scale before the warning.
+_LOSS_SCALE_EVIDENCE_STEPS = 2
+
 
 def check_hyperparameter(name: str, value) -> None:
     """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is valid for it."""
@@ -80,6 +90,12 @@ def check_hyperparameter(name: str, value) -> None:
         check_float(name, value, low=0.0)
     else:
         raise ValueError(f"unknown K-FAC hyperparameter {name!r}")
+
+
+def _layer_layout(layer) -> list[tuple]:
+    """The layer's weight (and bias) as ``(shape, dtype)`` pairs: what a checkpoint's factors were saved for."""
+    params = [layer.weight] + ([layer.bias] if layer.bias is not None else [])
+    return [(tuple(p.shape), p.dtype) for p in params]
 
 
 def _check_precision(precision) -> None:
@@ -257,6 +273,8 @@ class BaseKFACPreconditioner:
         self._loss_scale: Optional[float] = None
         self._capture_problems: list[str] = []
         self._reported_unhooked: set[str] = set()
+        self._reported_loss_scale = False
+        self._loss_scale_evidence = 0
         self._handles = [
             layer.module.register_forward_hook(_InputHook(self, i)) for i, layer in enumerate(self.layers)
         ]
@@ -326,6 +344,9 @@ class BaseKFACPreconditioner:
         loss_scale = self.loss_scale()
         if loss_scale is None:
             return
+        if layer.has_bias and self.watches_loss_scale():
+            rows_sum = rows.sum(dim=0, dtype=torch.float32)
+            layer.g_sum = rows_sum if layer.g_count == 0 else layer.g_sum.add_(rows_sum)
         layer.g_batch = kfac_accumulate_statistic(layer.g_batch, rows, layer.g_count, append_bias=False,
                                                   scale=scale / loss_scale, precision=self.precision)
         layer.g_count += 1
@@ -346,6 +367,51 @@ class BaseKFACPreconditioner:
                 return None
             self._loss_scale = float(value)
         return self._loss_scale
+
+    def watches_loss_scale(self) -> bool:
+        """Whether the hooks keep the sums that tell a loss scale nobody passed as ``grad_scaler``.
+
+        Until it was reported, without a ``grad_scaler``, and where the gradients are
+        this process's own (across ranks DDP averages them).
+        """
+        return (self.grad_scaler is None and not self._reported_loss_scale
+                and getattr(self, "world_size", 1) == 1)
+
+    def check_loss_scale(self, grads: dict[int, torch.Tensor]) -> None:
+        """Warn once when the output gradients were loss-scaled but no ``grad_scaler`` was given.
+
+        For a layer with a bias, the sum of the output-gradient rows its hook saw is
+        its bias gradient. A ``torch.amp.GradScaler`` scales the first by ``2^k`` and
+        ``scaler.unscale_`` divides the second by it; G then holds ``2^(2k)``. So when
+        every comparable layer shows the same kind of ratio, a power of two of at least
+        ``2^8``, on two steps in a row, it warns (``RuntimeWarning``) to pass ``grad_scaler=``.
+        """
+        if not self.watches_loss_scale():
+            return
+        pairs = [(layer.g_sum, grads[i][:, -1]) for i, layer in enumerate(self.layers)
+                 if i in grads and layer.has_bias and layer.has_statistics and layer.g_sum is not None]
+        if not pairs:
+            return
+        seen = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float64) for s, _ in pairs])
+        applied = torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64) for _, b in pairs])
+        ratios = [r for r in (seen / applied).tolist() if math.isfinite(r) and r > 0]
+        if not ratios:
+            return
+        exponents = [round(math.log2(r)) for r in ratios]
+        scaled = all(k == exponents[0] and k >= _SMALLEST_REPORTED_SCALE_EXPONENT
+                     and abs(r / 2.0**k - 1) <= _LOSS_SCALE_TOLERANCE for r, k in zip(ratios, exponents))
+        self._loss_scale_evidence = self._loss_scale_evidence + 1 if scaled else 0
+        if self._loss_scale_evidence < _LOSS_SCALE_EVIDENCE_STEPS:
+            return
+        self._reported_loss_scale = True
+        for layer in self.layers:
+            layer.g_sum = None
+        warnings.warn(
+            f"{type(self).__name__}: the output gradients its hooks saw were 2^{exponents[0]} times the "
+            "gradients it preconditions, as a torch.amp.GradScaler's loss scale makes them after "
+            "scaler.unscale_: pass grad_scaler=scaler, or G holds the squared loss scale and the "
+            "preconditioned updates shrink by orders of magnitude", RuntimeWarning, stacklevel=4,
+        )
 
     def pending_statistics(self) -> list[int]:
         """Indices of the layers that have this step's A and G statistics."""
@@ -373,6 +439,7 @@ class BaseKFACPreconditioner:
                 f"{type(self).__name__}: {problems}. K-FAC takes float32, float16 or bfloat16 activations "
                 "and a finite loss scale > 0; nothing was modified"
             )
+        self.check_loss_scale(grads)
         empty = [l.name for l in self.layers if l.empty_batches]
         if empty:
             warnings.warn(
@@ -648,6 +715,7 @@ class BaseKFACPreconditioner:
             entry = {
                 "a_factor": None if layer.a_factor is None else layer.a_factor.clone(),
                 "g_factor": None if layer.g_factor is None else layer.g_factor.clone(),
+                "param_layout": _layer_layout(layer),
             }
             if include_eigen:
                 entry["eigen"] = {k: v.clone() for k, v in layer.eigen.items()}
@@ -662,7 +730,13 @@ class BaseKFACPreconditioner:
         }
 
     def check_state_dict(self, state_dict) -> None:
-        """Raise ``ValueError``/``TypeError`` naming the problem unless ``state_dict`` fits this preconditioner."""
+        """Raise ``ValueError`` naming the problem unless ``state_dict`` fits this preconditioner."""
+        try:
+            self._check_state_dict(state_dict)
+        except TypeError as error:  # a field of the wrong kind is a bad value of the state dict
+            raise ValueError(str(error)) from error
+
+    def _check_state_dict(self, state_dict) -> None:
         if not isinstance(state_dict, dict) or "layers" not in state_dict or "steps" not in state_dict:
             raise ValueError(f"state_dict must be a dict from {type(self).__name__}.state_dict()")
         check_int("state_dict['steps']", state_dict["steps"], low=0)
@@ -688,6 +762,10 @@ class BaseKFACPreconditioner:
             entry = saved[layer.name]
             if not isinstance(entry, dict):
                 raise ValueError(f"state_dict layer {layer.name!r}: expected a dict, got {type(entry).__name__}")
+            saved_layout, layout = entry.get("param_layout"), _layer_layout(layer)
+            if saved_layout is None or [(tuple(s), d) for s, d in saved_layout] != layout:
+                raise ValueError(f"state_dict layer {layer.name!r}: param_layout {saved_layout!r} is not this layer's "
+                                 f"{layout!r} (weight and bias shapes and dtypes): its factors are another layer's")
             for key, dim in (("a_factor", layer.a_dim), ("g_factor", layer.g_dim)):
                 if key not in entry:
                     raise ValueError(f"state_dict layer {layer.name!r} has no {key!r}")
