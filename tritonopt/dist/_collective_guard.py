@@ -8,24 +8,46 @@
   (gloo: "Connection reset by peer", "Timed out waiting ...") re-raised as a
   :class:`CollectiveFailure` that names the layer, the collective and the ranks,
   whether it fails when issued or, for an asynchronous one, when waited on.
+* :func:`failure_message`: the one wording of such an error (layer, what failed,
+  the ranks, this rank, the seconds it waited, the timeout, the backend's error),
+  for a layer that waits on its own work handles (DSP's point-to-point streams).
+
+Every layer raises :class:`CollectiveFailure` or a subclass of it (KAISA's
+``KAISACollectiveError``, DSP's ``DSPPeerError``), so one ``except`` catches a
+failed collective of any layer.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from tritonopt._validation import check_float
 
-__all__ = ["CollectiveFailure", "GuardedCommunicator", "group_timeout", "resolve_timeout", "timed_group"]
+__all__ = ["CollectiveFailure", "GuardedCommunicator", "failure_message", "group_timeout", "resolve_timeout",
+           "timed_group"]
 
 
 class CollectiveFailure(RuntimeError):
     """A collective did not complete: a rank died, stalled past the timeout, or left the group."""
+
+
+def failure_message(layer: str, what: str, *, ranks: Sequence[int], seconds: float, timeout: datetime.timedelta,
+                    cause: BaseException, detail: str = "") -> str:
+    """``"<layer>: <what> among ranks [..] failed on rank r after s s (timeout t s): ..."``, with the cause."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    extra = f" {detail}" if detail else ""
+    return (f"{layer}: {what} among ranks {list(ranks)} failed on rank {rank} after {seconds:.1f} s (timeout "
+            f"{timeout.total_seconds():g} s): another rank died, stalled or left.{extra} Backend error: {cause}")
+
+
+def _check_error_class(error) -> None:
+    if not (isinstance(error, type) and issubclass(error, CollectiveFailure)):
+        raise TypeError(f"error must be CollectiveFailure or a subclass of it, got {error!r}")
 
 
 def group_timeout(group: Optional[dist.ProcessGroup]) -> datetime.timedelta:
@@ -53,35 +75,48 @@ def resolve_timeout(timeout, group: Optional[dist.ProcessGroup] = None) -> datet
     return datetime.timedelta(seconds=seconds)
 
 
-def timed_group(ranks: Sequence[int], timeout: datetime.timedelta, *, layer: str, local: bool = False):
+def timed_group(ranks: Sequence[int], timeout: datetime.timedelta, *, layer: str, local: bool = False,
+                error: type = CollectiveFailure):
     """``dist.new_group(ranks, timeout=timeout)``; ``local``: only the members call it.
 
     Raises:
-        CollectiveFailure: a member did not join within the timeout.
+        CollectiveFailure: (``error``, a subclass of it) a member did not join within the timeout.
     """
+    _check_error_class(error)
     began = time.monotonic()
     try:
         return dist.new_group(sorted(ranks), timeout=timeout, use_local_synchronization=local)
     except RuntimeError as exc:
-        raise CollectiveFailure(
-            f"{layer}: creating the process group of ranks {sorted(ranks)} failed after "
+        raise error(
+            f"{layer}: creating the process group of ranks {sorted(ranks)} failed on rank {dist.get_rank()} after "
             f"{time.monotonic() - began:.1f} s (timeout {timeout.total_seconds():g} s): a rank did not "
             f"join (it died or stalled before constructing {layer}). Backend error: {exc}"
         ) from exc
 
 
 class GuardedCommunicator:
-    """The collectives of ``comm`` (which keeps counting them), with clear errors on failure."""
+    """The collectives of ``comm`` (which keeps counting them), with clear errors on failure.
+
+    ``error``: the class raised, :class:`CollectiveFailure` or a subclass; ``detail``:
+    a function whose text ends the message (what the layer was doing, what to do next).
+    """
 
     COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "all_to_all_single")
+    _OWN = ("comm", "layer", "timeout", "error", "detail")
 
-    def __init__(self, comm, *, layer: str, timeout: datetime.timedelta):
+    def __init__(self, comm, *, layer: str, timeout: datetime.timedelta, error: type = CollectiveFailure,
+                 detail: Optional[Callable[[], str]] = None):
+        _check_error_class(error)
+        if detail is not None and not callable(detail):
+            raise TypeError(f"detail must be a function returning text, got {type(detail).__name__}")
         self.comm = comm
         self.layer = layer
         self.timeout = timeout
+        self.error = error
+        self.detail = detail
 
     def __getattr__(self, name: str):
-        if name in ("comm", "layer", "timeout") or name.startswith("__"):
+        if name in self._OWN or name.startswith("__"):
             raise AttributeError(name)
         method = getattr(self.comm, name)
         if name not in self.COLLECTIVES:
@@ -93,12 +128,11 @@ class GuardedCommunicator:
             def failure(exc: RuntimeError) -> CollectiveFailure:
                 target = group if group is not None else self.comm.group
                 ranks = dist.get_process_group_ranks(target if target is not None else dist.group.WORLD)
-                return CollectiveFailure(
-                    f"{self.layer}: the collective {label!r} ({name}) among ranks {ranks} failed on rank "
-                    f"{dist.get_rank()} after {time.monotonic() - began:.1f} s (timeout "
-                    f"{self.timeout.total_seconds():g} s): another rank died, stalled or left. "
-                    f"Backend error: {exc}"
-                )
+                return self.error(failure_message(
+                    self.layer, f"the collective {label!r} ({name})", ranks=ranks,
+                    seconds=time.monotonic() - began, timeout=self.timeout, cause=exc,
+                    detail=self.detail() if self.detail is not None else "",
+                ))
 
             try:
                 work = method(*args, label=label, group=group, **kwargs)

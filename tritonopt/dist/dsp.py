@@ -39,9 +39,10 @@ on the flush mode and the number of stages built before on these ranks (label
 
 Failures. Every wait carries ``timeout`` (default: the group's own timeout), so
 a rank that dies or stalls surfaces on its neighbours as :class:`DSPPeerError`
-(a :class:`~tritonopt.dist.CollectiveFailure`) within it (a rank that exits is
-usually noticed at once, by the closed connection). Configuration errors found
-at start-up are raised on every rank.
+(a :class:`~tritonopt.dist.CollectiveFailure`) within it, naming the stage, the
+ranks, the seconds waited and the timeout (a rank that exits is usually noticed
+at once, by the closed connection). Configuration errors found at start-up are
+raised on every rank at once, the others naming the refusing rank.
 
 NVTX ranges: ``tritonopt/dsp/forward``, ``/backward`` and ``/forward_backward`` per
 compute phase (``/recompute``, ``/autograd`` and ``/update`` inside), ``/send``,
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import time
 from collections.abc import Sized
 from typing import Callable, Iterable, Optional, Union
 
@@ -66,7 +68,13 @@ from torch import nn
 
 from tritonopt._runtime import nvtx_range
 from tritonopt.dist._agreement import check_ranks_agree
-from tritonopt.dist._collective_guard import CollectiveFailure, GuardedCommunicator, group_timeout, resolve_timeout
+from tritonopt.dist._collective_guard import (
+    CollectiveFailure,
+    GuardedCommunicator,
+    failure_message,
+    group_timeout,
+    resolve_timeout,
+)
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.dsp_core import (
     BN_POLICIES,
@@ -230,11 +238,17 @@ class DSPStage:
     def _global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
+    def _peer_error(self, what: str, began: float, exc: Exception) -> DSPPeerError:
+        ranks = [self._global_rank(k) for k in range(self.num_stages)]
+        return DSPPeerError(failure_message(f"DSPStage (stage {self.stage})", what, ranks=ranks,
+                                            seconds=time.monotonic() - began, timeout=self.timeout, cause=exc))
+
     def _wait(self, work, what: str) -> None:
+        began = time.monotonic()
         try:
             work.wait(self.timeout)
         except Exception as exc:  # the backend's error type varies (RuntimeError, DistBackendError)
-            raise DSPPeerError(f"DSP stage {self.stage}: {what} failed: {exc}") from exc
+            raise self._peer_error(what, began, exc) from exc
 
     def _agree(self, values: list[int], problem: Optional[Exception]) -> list[list[int]]:
         """All-gather ``values`` from every rank; raise everywhere if some rank reports a problem."""
@@ -261,15 +275,18 @@ class DSPStage:
                 raise problem
             k = failed[0]
             message = bytes(everyone.view(self.num_stages, -1)[k].tolist()).rstrip(b"\0").decode(errors="replace")
-            raise DSPConfigurationError(f"DSP stage {k} failed at start-up: {message}")
+            raise DSPConfigurationError(
+                f"DSPStage: rank {self._global_rank(k)} (DSP stage {k}) refused at start-up: {message}"
+            )
         return [r[1:] for r in rows]
 
     def _post(self, what: str, post: Callable[[], object]):
         """Issue an isend/irecv; a transport failure (e.g. a peer gone) becomes DSPPeerError."""
+        began = time.monotonic()
         try:
             return post()
         except Exception as exc:
-            raise DSPPeerError(f"DSP stage {self.stage}: {what} failed: {exc}") from exc
+            raise self._peer_error(what, began, exc) from exc
 
     def _send(self, tensor: torch.Tensor, dst: int, label: str, tag: int) -> None:
         tensor = tensor.contiguous()

@@ -60,12 +60,19 @@ hyperparameter, ``grad_worker_fraction`` and every other option) with
 exists; a disagreement raises ``ValueError`` on every rank, naming each setting
 that differs with every rank's value.
 
+A rank that refuses its own arguments (a bad hyperparameter, a model without
+layers) still joins the world group and that check, passing its error: every
+rank then raises at once, the others naming the refusing rank, instead of
+waiting on a group it never joins.
+
 Timeouts. Every group KAISA creates (its own world group and the worker and
 receiver groups) takes ``timeout`` (default: the default process group's), and
-every collective runs on those groups, so a rank that dies or stalls makes the
-others raise :class:`KAISACollectiveError` (a ``torch.distributed.DistError``)
-within it, naming the collective; the preconditioner cannot go on after that
-(restart from a checkpoint).
+every collective runs on those groups through
+:class:`~tritonopt.dist._collective_guard.GuardedCommunicator`, so a rank that
+dies or stalls makes the others raise :class:`KAISACollectiveError` (a
+:class:`~tritonopt.dist.CollectiveFailure`, and a ``torch.distributed.DistError``)
+within it, naming the collective, the ranks, the step and the time waited; the
+preconditioner cannot go on after that (restart from a checkpoint).
 
 Memory per rank (:meth:`KAISAPreconditioner.memory_usage`): factors
 ``s_f * sum(a^2 + g^2)`` and the float32 statistic buffers ``4 * sum(a^2 + g^2)``
@@ -80,7 +87,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -90,6 +97,13 @@ from tritonopt._runtime import nvtx_range
 from tritonopt._validation import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int
 from tritonopt.dist import kaisa_assignment
 from tritonopt.dist._agreement import check_ranks_agree
+from tritonopt.dist._collective_guard import (
+    CollectiveFailure,
+    GuardedCommunicator,
+    group_timeout,
+    resolve_timeout,
+    timed_group,
+)
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.kaisa_assignment import (  # noqa: F401 (re-exported)
     LAYOUTS,
@@ -110,23 +124,12 @@ from tritonopt.optim.kfac_functional import Decomposition, kfac_eigen_data, kfac
 __all__ = ["KAISACollectiveError", "KAISAPreconditioner", *kaisa_assignment.__all__]
 
 
-class KAISACollectiveError(dist.DistError):
-    """A KAISA collective failed: another rank stopped, or did not reach it within the timeout."""
+class KAISACollectiveError(CollectiveFailure, dist.DistError):
+    """A KAISA collective failed: another rank stopped, or did not reach it within the timeout.
 
-
-def _default_group_timeout() -> datetime.timedelta:
-    # torch gives new groups its 30-minute default, not the default group's timeout:
-    # read the latter from the default group's backend.
-    try:
-        group = dist.distributed_c10d._get_default_group()
-        for device in (torch.device("cpu"), torch.device("cuda")):
-            try:
-                return group._get_backend(device).options._timeout
-            except (AttributeError, RuntimeError):
-                continue
-    except (AttributeError, RuntimeError, ValueError):
-        pass
-    return dist.default_pg_timeout
+    A :class:`~tritonopt.dist.CollectiveFailure` like every layer's; still a
+    ``torch.distributed.DistError``, as it was before the layers shared one.
+    """
 
 
 class _CompletionForwardHook:
@@ -216,6 +219,28 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         communicator: Optional[CountingCommunicator] = None,
         **kwargs,
     ):
+        distributed = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size() if distributed else 1
+        try:
+            self._configure(model, grad_worker_fraction, layout, colocate_factors, symmetry_aware,
+                            factor_comm_dtype, assignment_cost, bucket_cap_mb, accumulation_steps, timeout,
+                            communicator, kwargs)
+        except Exception as exc:
+            if getattr(self, "_handles", None):
+                self.remove_hooks()
+            if world_size > 1:
+                self._share_startup_problem(exc, timeout)  # raises ``exc``
+            raise
+        try:
+            self._build_groups()
+        except BaseException:
+            self.remove_hooks()
+            raise
+
+    def _configure(self, model, grad_worker_fraction, layout, colocate_factors, symmetry_aware,
+                   factor_comm_dtype, assignment_cost, bucket_cap_mb, accumulation_steps, timeout,
+                   communicator, kwargs) -> None:
+        """Check every argument and set up this rank's K-FAC; no collective."""
         check_choice("layout", layout, LAYOUTS)
         check_choice("assignment_cost", assignment_cost, ("compute", "memory"))
         check_bool("colocate_factors", colocate_factors)
@@ -225,9 +250,8 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         if bucket_cap_mb is not None:
             check_float("bucket_cap_mb", bucket_cap_mb, low=0.0)
         check_int("accumulation_steps", accumulation_steps, low=1)
-        if timeout is not None and not isinstance(timeout, datetime.timedelta):
-            check_float("timeout", timeout, low=0.0, low_open=True)
-            timeout = datetime.timedelta(seconds=timeout)
+        if timeout is not None:
+            timeout = resolve_timeout(timeout)
         if communicator is not None and not isinstance(communicator, CountingCommunicator):
             raise TypeError("communicator must be a CountingCommunicator")
         distributed = dist.is_available() and dist.is_initialized()
@@ -245,42 +269,40 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         self.assignment_cost = assignment_cost
         self.bucket_cap_mb = bucket_cap_mb
         self.accumulation_steps = accumulation_steps
-        self.timeout = timeout if timeout is not None or not distributed else _default_group_timeout()
+        self.timeout = timeout if timeout is not None or not distributed else group_timeout(None)
         self.communicator = communicator if communicator is not None else CountingCommunicator()
+        self._collectives = self._guard(self.communicator, self.timeout)
         self._groups: dict[tuple[int, ...], object] = {}
         self._world_group = None
         self.reducer: Optional[FactorReducer] = None
-        try:
-            if self.world_size > 1:
-                self._world_group = self._new_group(tuple(range(self.world_size)))
-                settings = self._settings()
-                self._collective("the configuration check", lambda: check_ranks_agree(
-                    "KAISAPreconditioner", settings, comm=self.communicator, group=self._world_group,
-                    device=self.layers[0].weight.device))
-            power = 3 if assignment_cost == "compute" else 2
-            costs = [(l.a_dim**power, l.g_dim**power) for l in self.layers]
-            self.assignment = KAISAAssignment(costs, self.world_size, self.grad_workers, layout,
-                                              colocate_factors=colocate_factors)
-            # Every rank creates every group, in the same order (a torch.distributed rule).
-            for ranks in self.assignment.worker_groups + self.assignment.receiver_groups:
-                if len(ranks) == self.world_size:
-                    self._groups[ranks] = self._world_group
-                elif len(ranks) > 1 and ranks not in self._groups:
-                    self._groups[ranks] = self._new_group(ranks)
-            if self.world_size > 1:
-                self.reducer = FactorReducer(
-                    self.layers, self._factor_all_reduce, comm_dtype=self.factor_comm_dtype,
-                    symmetry_aware=symmetry_aware, bucket_cap_mb=bucket_cap_mb,
-                    accumulation_steps=accumulation_steps,
-                )
-                if bucket_cap_mb is not None:
-                    self._handles += [
-                        layer.module.register_forward_hook(_CompletionForwardHook(self, i))
-                        for i, layer in enumerate(self.layers)
-                    ]
-        except BaseException:
-            self.remove_hooks()
-            raise
+
+    def _build_groups(self) -> None:
+        """Check that the ranks agree, assign the layers, create the groups and the factor reducer."""
+        if self.world_size > 1:
+            self._world_group = self._new_group(tuple(range(self.world_size)))
+            check_ranks_agree("KAISAPreconditioner", self._settings(), comm=self._collectives,
+                              group=self._world_group, device=self.layers[0].weight.device)
+        power = 3 if self.assignment_cost == "compute" else 2
+        costs = [(l.a_dim**power, l.g_dim**power) for l in self.layers]
+        self.assignment = KAISAAssignment(costs, self.world_size, self.grad_workers, self.layout,
+                                          colocate_factors=self.colocate_factors)
+        # Every rank creates every group, in the same order (a torch.distributed rule).
+        for ranks in self.assignment.worker_groups + self.assignment.receiver_groups:
+            if len(ranks) == self.world_size:
+                self._groups[ranks] = self._world_group
+            elif len(ranks) > 1 and ranks not in self._groups:
+                self._groups[ranks] = self._new_group(ranks)
+        if self.world_size > 1:
+            self.reducer = FactorReducer(
+                self.layers, self._factor_all_reduce, comm_dtype=self.factor_comm_dtype,
+                symmetry_aware=self.symmetry_aware, bucket_cap_mb=self.bucket_cap_mb,
+                accumulation_steps=self.accumulation_steps,
+            )
+            if self.bucket_cap_mb is not None:
+                self._handles += [
+                    layer.module.register_forward_hook(_CompletionForwardHook(self, i))
+                    for i, layer in enumerate(self.layers)
+                ]
 
     @property
     def layer_dims(self) -> list[tuple[int, int]]:
@@ -294,27 +316,47 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
 
     # ------------------------------------------------------------------ groups and failures
 
-    def _failure(self, what: str, exc: BaseException) -> KAISACollectiveError:
-        return KAISACollectiveError(
-            f"KAISAPreconditioner (rank {self.rank} of {self.world_size}, step {self.steps}): {what} failed: "
-            f"another rank stopped, or did not reach it within the {self.timeout} timeout; K-FAC cannot go on "
-            f"(restart from a checkpoint). [{type(exc).__name__}: {exc}]"
+    def _guard(self, communicator: CountingCommunicator, timeout: datetime.timedelta) -> GuardedCommunicator:
+        """Every collective goes through this: a failed one raises KAISACollectiveError naming it."""
+        return GuardedCommunicator(
+            communicator, layer="KAISAPreconditioner", timeout=timeout, error=KAISACollectiveError,
+            detail=lambda: f"At K-FAC step {getattr(self, 'steps', 0)}: K-FAC cannot go on (restart from a "
+                           "checkpoint).",
         )
 
-    def _collective(self, what: str, call: Callable):
+    def _share_startup_problem(self, problem: Exception, timeout) -> None:
+        """This rank refused its arguments: join the world group and the configuration check with ``problem``.
+
+        Every rank then raises at once (this one ``problem``, the others naming this rank) instead of
+        the others waiting on a group this rank never joins. The arguments may be the bad ones: the
+        timeout falls back to the default group's, the communicator to a new one, the device to the
+        backend's.
+        """
         try:
-            return call()
-        except KAISACollectiveError:
-            raise
-        except RuntimeError as exc:  # torch's DistError and backend errors are RuntimeErrors
-            raise self._failure(what, exc) from exc
+            timeout = resolve_timeout(timeout)
+        except (TypeError, ValueError):
+            timeout = group_timeout(None)
+        communicator = getattr(self, "communicator", None)
+        if not isinstance(communicator, CountingCommunicator):
+            communicator = CountingCommunicator()
+        layers = getattr(self, "layers", None)
+        if layers:
+            device = layers[0].weight.device
+        elif dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        world = timed_group(range(dist.get_world_size()), timeout, layer="KAISAPreconditioner",
+                            error=KAISACollectiveError)
+        check_ranks_agree("KAISAPreconditioner", None, comm=self._guard(communicator, timeout), group=world,
+                          device=device, problem=problem)
 
     def _new_group(self, ranks: tuple[int, ...]):
-        return self._collective(f"creating the process group of ranks {list(ranks)}",
-                                lambda: dist.new_group(list(ranks), timeout=self.timeout))
+        return timed_group(ranks, self.timeout, layer="KAISAPreconditioner", error=KAISACollectiveError)
 
     def _factor_all_reduce(self, flat: torch.Tensor, async_op: bool):
-        return self.communicator.all_reduce(flat, label="factor_allreduce", group=self._world_group, async_op=async_op)
+        return self._collectives.all_reduce(flat, label="factor_allreduce", group=self._world_group,
+                                            async_op=async_op)
 
     def _settings(self) -> dict[str, object]:
         """What every rank must hold alike: the layers, their weights, every hyperparameter and option."""
@@ -351,7 +393,7 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
             grads = self.read_gradients()
             if self.reducer is not None and self.capturing:
                 with nvtx_range(f"tritonopt/{self.algorithm}/factor_reduce"):
-                    statistics = self._collective("the factor all-reduce", self.reducer.finish)
+                    statistics = self.reducer.finish()
                 if self.reducer.problem:
                     raise ValueError(f"KAISAPreconditioner: {self.reducer.problem}; set accumulation_steps to "
                                      "the number of forward/backward passes per step()")
@@ -371,8 +413,7 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
             flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
         else:
             flat = torch.empty(numel, dtype=dtype, device=device)
-        work = self._collective("an eigen broadcast", lambda: self.communicator.broadcast(
-            flat, source, label="eigen_broadcast", group=group, async_op=True))
+        work = self._collectives.broadcast(flat, source, label="eigen_broadcast", group=group, async_op=True)
         return flat, work
 
     def _eigen_update(self, folded: dict, damping: float) -> dict[int, dict[str, torch.Tensor]]:
@@ -412,7 +453,7 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
             pending.append((i, source, shapes, flat, work))
         received = {}
         for i, source, shapes, flat, work in pending:
-            self._collective("an eigen broadcast", work.wait)
+            work.wait()
             if source != self.rank:
                 received[i] = self._split(flat, shapes)
         return received
@@ -435,7 +476,7 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
                 pending.append((i, side, dim, flat, work))
         halves = {}
         for i, side, dim, flat, work in pending:
-            self._collective("an eigen broadcast", work.wait)
+            work.wait()
             square = flat[: dim * dim].view(dim, dim).clone()
             halves[(i, side)] = square if inverse else Decomposition(flat[dim * dim :].clone(), square)
         return halves
@@ -464,10 +505,10 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
                 group = self._groups[a.receiver_group_of(self.rank)]
                 source = a.src(i, self.rank)
                 tensor = out[i]
-                pending.append(self._collective("a gradient broadcast", lambda: self.communicator.broadcast(
-                    tensor, source, label="grad_broadcast", group=group, async_op=True)))
+                pending.append(self._collectives.broadcast(tensor, source, label="grad_broadcast", group=group,
+                                                           async_op=True))
         for work in pending:
-            self._collective("a gradient broadcast", work.wait)
+            work.wait()
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -490,8 +531,7 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         if self.world_size == 1:
             return flag
         value = torch.tensor([int(flag)], dtype=torch.int32, device=self.layers[0].weight.device)
-        self._collective("the load_state_dict all-reduce", lambda: self.communicator.all_reduce(
-            value, label="load_state_dict", op=dist.ReduceOp.MAX, group=self._world_group))
+        self._collectives.all_reduce(value, label="load_state_dict", op=dist.ReduceOp.MAX, group=self._world_group)
         return bool(value.item())
 
     # ------------------------------------------------------------------ reports
