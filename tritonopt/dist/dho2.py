@@ -63,7 +63,8 @@ create (DHO2 creates one only when given a timeout), check at construction,
 with two small ``all_gather`` of 8-byte digests ("config_check"), that every
 rank has the same model shapes, hyperparameters and world layout (else every
 rank raises ``ValueError`` naming the settings that differ and each rank's
-value), and re-raise a
+value; a rank that refused its own arguments joins that check with its error,
+so every rank raises at once, the others naming it), and re-raise a
 failed collective (a rank that died, or stalled past the timeout) as
 :class:`~tritonopt.dist._collective_guard.CollectiveFailure` naming the
 collective and the ranks.
@@ -82,7 +83,7 @@ import torch.distributed as dist
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_choice, check_float, check_int
 from tritonopt.dist._agreement import check_ranks_agree
-from tritonopt.dist._collective_guard import GuardedCommunicator, resolve_timeout, timed_group
+from tritonopt.dist._collective_guard import GuardedCommunicator, group_timeout, resolve_timeout, timed_group
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.lanczos import (
     column_split,
@@ -100,7 +101,7 @@ from tritonopt.optim.functional import (
     fosi_scale_segments,
     fosi_update,
 )
-from tritonopt.optim.lanczos import default_breakdown_rtol, extreme_ritz, make_hvp, ritz_vectors
+from tritonopt.optim.lanczos import RitzSelection, default_breakdown_rtol, extreme_ritz, make_hvp, ritz_vectors
 
 __all__ = ["DHO2", "MRDHO2", "ShardedSubspace"]
 
@@ -110,6 +111,13 @@ _VARIANTS = ("fused", "algorithm3")
 def _require_process_group(layer: str) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{layer} needs an initialised torch.distributed process group")
+
+
+def _setup_device(group) -> torch.device:
+    """Where the start-up collectives' tensors live when the parameters cannot tell (NCCL: the GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _model_layout(params) -> list[tuple]:
@@ -245,9 +253,15 @@ class DHO2(FOSI):
     def __init__(self, params: Iterable, lr: float = 1e-3, *, variant: str = "fused",
                  comm: Optional[CountingCommunicator] = None, group=None, data_parallel_hvp: bool = False,
                  timeout=None, **kwargs):
-        check_choice("variant", variant, _VARIANTS)
         _require_process_group("DHO2")
-        resolved = resolve_timeout(timeout, group)
+        # A bad argument is kept, not raised, until this rank has joined the configuration check:
+        # the other ranks would otherwise wait there for it until the timeout.
+        problem: Optional[Exception] = None
+        try:
+            check_choice("variant", variant, _VARIANTS)
+            resolved = resolve_timeout(timeout, group)
+        except (TypeError, ValueError) as exc:
+            problem, resolved = exc, group_timeout(group)
         if timeout is not None:
             members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             group = timed_group(members, resolved, layer="DHO2", local=True)
@@ -255,8 +269,14 @@ class DHO2(FOSI):
         self.group, self.variant, self.world = group, variant, dist.get_world_size(group)
         self.timeout = resolved
         guarded = GuardedCommunicator(self.comm, layer="DHO2", timeout=resolved)
-        subspace = ShardedSubspace(guarded, group, variant=variant, data_parallel_hvp=bool(data_parallel_hvp))
-        super().__init__(params, lr, subspace=subspace, **kwargs)
+        if problem is None:
+            try:
+                subspace = ShardedSubspace(guarded, group, variant=variant, data_parallel_hvp=bool(data_parallel_hvp))
+                super().__init__(params, lr, subspace=subspace, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised
+                problem = exc
+        if problem is not None:
+            check_ranks_agree("DHO2", None, comm=guarded, group=group, device=_setup_device(group), problem=problem)
         trainable = self._trainable()
         settings = {
             "model (shapes, dtypes)": _model_layout(trainable),
@@ -306,39 +326,33 @@ class MRDHO2:
                  comm: Optional[CountingCommunicator] = None, timeout=None, on_nonfinite: str = "skip"):
         _require_process_group("MRDHO2")
         world = dist.get_world_size()
-        check_int("num_accelerators", num_accelerators, low=1, high=world - 1)
-        check_choice("accumulated_gradient", accumulated_gradient, ("sum", "mean"))
-        check_choice("on_nonfinite", on_nonfinite, ("skip", "raise"))
-        check_float("lr", lr, low=0.0)
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        check_float("betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
-        check_float("betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
-        check_float("momentum", momentum, low=0.0, high=1.0)
-        check_float("eps", eps, low=0.0)
-        self.config = FOSIConfig(base=base, k=k, l=l, alpha=alpha, num_lanczos_iters=num_lanczos_iters,
-                                 lanczos_dtype=lanczos_dtype, reorth_passes=reorth_passes, paper_exact=paper_exact,
-                                 ritz_rtol=ritz_rtol, eigenvalue_floor=eigenvalue_floor, seed=seed)
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("MRDHO2 needs at least one trainable parameter")
-        if any(not p.is_floating_point() or p.is_complex() for p in self.params):
-            raise ValueError("MRDHO2 needs real floating-point parameters")
-        if len({p.device for p in self.params}) != 1:
-            raise ValueError("all MRDHO2 parameters must be on one device")
-        beta1 = momentum if base == "heavy_ball" else betas[0]
-        self.segments = [FOSIHyper(sum(p.numel() for p in self.params), lr, beta1, betas[1], eps)]
-        self.accumulated_gradient, self.on_nonfinite = accumulated_gradient, on_nonfinite
-        self.timeout = resolve_timeout(timeout)
+        # A bad argument is kept, not raised, until this rank has joined the configuration check:
+        # the other ranks would otherwise wait there for it until the timeout.
+        problem: Optional[Exception] = None
+        try:
+            self._check_arguments(params, num_accelerators, lr, base, betas, momentum, eps, k, l, alpha,
+                                  num_lanczos_iters, lanczos_dtype, reorth_passes, ritz_rtol, eigenvalue_floor,
+                                  paper_exact, accumulated_gradient, seed, on_nonfinite)
+            self.timeout = resolve_timeout(timeout)
+        except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised
+            problem = exc
+        if problem is not None:
+            try:
+                self.timeout = resolve_timeout(timeout)
+            except (TypeError, ValueError):
+                self.timeout = group_timeout(None)
         self.comm = CountingCommunicator() if comm is None else comm
+        self._collectives = GuardedCommunicator(self.comm, layer="MRDHO2", timeout=self.timeout)
+        # Every collective runs on a group created here with the timeout, the world's too.
+        self.world_group = timed_group(range(world), self.timeout, layer="MRDHO2")
+        if problem is not None:
+            check_ranks_agree("MRDHO2", None, comm=self._collectives, group=self.world_group,
+                              device=_setup_device(None), problem=problem)
         self.rank, self.world = dist.get_rank(), world
         self.accelerators = list(range(num_accelerators))
         self.workers = list(range(num_accelerators, world))
         self.first_worker = self.workers[0]
         self.is_worker = self.rank >= num_accelerators
-        self._collectives = GuardedCommunicator(self.comm, layer="MRDHO2", timeout=self.timeout)
-        # Every collective runs on a group created here with the timeout, the world's too.
-        self.world_group = timed_group(range(world), self.timeout, layer="MRDHO2")
         device = self.params[0].device
         settings = {
             "model (shapes, dtypes)": _model_layout(self.params),
@@ -363,6 +377,35 @@ class MRDHO2:
         self._rows_shard: Optional[torch.Tensor] = None
         self._ritz = None
         self.memory: dict = {}
+
+    def _check_arguments(self, params, num_accelerators, lr, base, betas, momentum, eps, k, l, alpha,
+                         num_lanczos_iters, lanczos_dtype, reorth_passes, ritz_rtol, eigenvalue_floor, paper_exact,
+                         accumulated_gradient, seed, on_nonfinite) -> None:
+        """Check this rank's arguments and keep the configuration and the parameters; no collective."""
+        world = dist.get_world_size()
+        check_int("num_accelerators", num_accelerators, low=1, high=world - 1)
+        check_choice("accumulated_gradient", accumulated_gradient, ("sum", "mean"))
+        check_choice("on_nonfinite", on_nonfinite, ("skip", "raise"))
+        check_float("lr", lr, low=0.0)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        check_float("betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
+        check_float("betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
+        check_float("momentum", momentum, low=0.0, high=1.0)
+        check_float("eps", eps, low=0.0)
+        self.config = FOSIConfig(base=base, k=k, l=l, alpha=alpha, num_lanczos_iters=num_lanczos_iters,
+                                 lanczos_dtype=lanczos_dtype, reorth_passes=reorth_passes, paper_exact=paper_exact,
+                                 ritz_rtol=ritz_rtol, eigenvalue_floor=eigenvalue_floor, seed=seed)
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("MRDHO2 needs at least one trainable parameter")
+        if any(not p.is_floating_point() or p.is_complex() for p in self.params):
+            raise ValueError("MRDHO2 needs real floating-point parameters")
+        if len({p.device for p in self.params}) != 1:
+            raise ValueError("all MRDHO2 parameters must be on one device")
+        beta1 = momentum if base == "heavy_ball" else betas[0]
+        self.segments = [FOSIHyper(sum(p.numel() for p in self.params), lr, beta1, betas[1], eps)]
+        self.accumulated_gradient, self.on_nonfinite = accumulated_gradient, on_nonfinite
 
     def _pack(self, tensors, out: torch.Tensor) -> torch.Tensor:
         torch.cat([t.reshape(-1).to(self.dtype) for t in tensors], out=out)
@@ -471,6 +514,122 @@ class MRDHO2:
             self.accumulated_gradient, comm=self._collectives, group=self.worker_group,
         )
         self._unpack(self._weights_after)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """This rank's state; checkpoints are per rank (accelerators hold Ritz vectors, workers the epoch so far).
+
+        The model's parameters are not in it: save them with the model. Saved between
+        :meth:`begin_epoch` and :meth:`end_epoch`, it resumes the epoch where it was.
+        """
+        ritz = self._ritz
+        return {
+            "rank": self.rank, "world_size": self.world, "num_accelerators": len(self.accelerators),
+            "n": self.n, "dtype": self.dtype, "epoch": self.epoch, "base_step": self.base_step,
+            "skipped_steps": self.skipped_steps, "base_state": [t.clone() for t in self.base_state],
+            "epoch_start": _clone_or_none(getattr(self, "_checkpoint", None)),
+            "accumulated": _clone_or_none(getattr(self, "_accumulated", None)),
+            "epoch_steps": getattr(self, "_epoch_steps", 0),
+            "rows_shard": _clone_or_none(self._rows_shard),
+            "ritz": None if ritz is None else {"values": ritz.values.clone(), "vectors": ritz.vectors.clone(),
+                                               "scale": ritz.scale},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state dict saved by this rank; a collective (every rank loads at the same point).
+
+        Every rank checks its own before anything changes; if any rank's is refused
+        (another rank's, another model, a malformed one), or the ranks load different
+        epochs, every rank raises and nothing is loaded anywhere.
+        """
+        problem: Optional[Exception] = None
+        checked = None
+        try:
+            checked = self._checked_state(state_dict)
+        except (TypeError, ValueError) as exc:
+            problem = exc
+        check_ranks_agree("MRDHO2.load_state_dict", None if problem else {"epoch": checked["epoch"]},
+                          comm=self._collectives, group=self.world_group, device=self.weights.device,
+                          label="load_state_dict", problem=problem)
+        for mine, saved in zip(self.base_state, checked["base_state"]):
+            mine.copy_(saved)
+        self.epoch, self.base_step = checked["epoch"], checked["base_step"]
+        self.skipped_steps, self._epoch_steps = checked["skipped_steps"], checked["epoch_steps"]
+        for name, key in (("_checkpoint", "epoch_start"), ("_accumulated", "accumulated")):
+            if checked[key] is None:
+                self.__dict__.pop(name, None)
+            else:
+                setattr(self, name, checked[key])
+        self._rows_shard = checked["rows_shard"]
+        ritz = checked["ritz"]
+        self._ritz = None if ritz is None else RitzSelection(ritz["values"], ritz["vectors"], ritz["scale"])
+
+    def _checked_state(self, state: dict) -> dict:
+        """``state`` validated against this rank, its tensors copied to the weights' device; changes nothing."""
+        if not isinstance(state, dict):
+            raise TypeError(f"MRDHO2: a state dict must be a dict, got {type(state).__name__}")
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ValueError(f"MRDHO2: not an MR-DHO2 state dict (missing {missing}, unexpected {extra})")
+        saved = (state["rank"], state["world_size"], state["num_accelerators"])
+        if saved != (self.rank, self.world, len(self.accelerators)):
+            raise ValueError(
+                f"MRDHO2: this state dict was saved on rank {saved[0]} of {saved[1]} with {saved[2]} accelerators, "
+                f"not on this rank ({self.rank} of {self.world}, {len(self.accelerators)} accelerators): every "
+                "rank must load the state dict it saved"
+            )
+        if (state["n"], state["dtype"]) != (self.n, self.dtype):
+            raise ValueError(f"MRDHO2: the state dict is for {state['n']} {state['dtype']} parameters, this "
+                             f"model has {self.n} {self.dtype}")
+        for key in ("epoch", "base_step", "skipped_steps", "epoch_steps"):
+            check_int(f"state_dict[{key!r}]", state[key], low=0)
+        device = self.weights.device
+        vector = (self.n,)
+
+        def tensor(key, value, shape, dtype, optional=False):
+            if value is None and optional:
+                return None
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+                got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"MRDHO2: state_dict[{key!r}] must be a {dtype} tensor of shape {tuple(shape)}, "
+                                 f"got {got}")
+            return value.detach().to(device, copy=True)
+
+        base = state["base_state"]
+        if not isinstance(base, (list, tuple)) or len(base) != len(self.base_state):
+            raise ValueError(f"MRDHO2: state_dict['base_state'] must hold {len(self.base_state)} buffers "
+                             f"(base optimizer {self.config.base!r})")
+        checked = {key: state[key] for key in ("epoch", "base_step", "skipped_steps", "epoch_steps")}
+        checked["base_state"] = [tensor("base_state", t, vector, self.dtype) for t in base]
+        for key in ("epoch_start", "accumulated"):
+            checked[key] = tensor(key, state[key], vector, self.dtype, optional=True)
+        ritz = state["ritz"]
+        if ritz is None:
+            checked["ritz"] = None
+            if state["rows_shard"] is not None:
+                raise ValueError("MRDHO2: state_dict['rows_shard'] without the Ritz values it belongs to")
+            checked["rows_shard"] = None
+        else:
+            if not isinstance(ritz, dict) or set(ritz) != {"values", "vectors", "scale"}:
+                raise ValueError("MRDHO2: state_dict['ritz'] must be None or a dict of values, vectors and scale")
+            values = ritz["values"]
+            r = values.shape[0] if isinstance(values, torch.Tensor) and values.dim() == 1 else -1
+            steps = ritz["vectors"].shape[0] if isinstance(ritz["vectors"], torch.Tensor) else -1
+            check_float("state_dict['ritz']['scale']", ritz["scale"], low=0.0)
+            checked["ritz"] = {"values": tensor("ritz.values", values, (r,), torch.float64),
+                               "vectors": tensor("ritz.vectors", ritz["vectors"], (steps, r), torch.float64),
+                               "scale": float(ritz["scale"])}
+            checked["ritz"]["values"] = checked["ritz"]["values"].cpu()
+            checked["ritz"]["vectors"] = checked["ritz"]["vectors"].cpu()
+            rows = shard_size(self.n, len(self.accelerators))
+            checked["rows_shard"] = tensor("rows_shard", state["rows_shard"], (r, rows), self.dtype)
+        return checked
+
+
+def _clone_or_none(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if tensor is None else tensor.clone()
 
 
 def final_update_local(v_j, scale_j, checkpoint, weights, accumulated, steps, mode, *, comm, group):
