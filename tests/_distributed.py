@@ -37,7 +37,9 @@ def _from_bytes(payload: bytes) -> Any:
     return torch.load(io.BytesIO(payload), weights_only=False)
 
 
-def _worker(rank, world_size, port, fn, args, results):
+def _worker(rank, world_size, port, fn, args, results, teardown=True):
+    if not teardown:
+        _worker_without_teardown(rank, world_size, port, fn, args, results)
     torch.set_num_threads(1)
     os.environ.setdefault("TRITON_INTERPRET", "1" if not torch.cuda.is_available() else "0")
     try:
@@ -55,20 +57,38 @@ def _worker(rank, world_size, port, fn, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _worker_without_teardown(rank, world_size, port, fn, args, results):
+    """``_worker`` for scenarios that leave groups broken (a rank stalled on purpose): report, then exit
+    at once, since destroying a group with work a peer never joined may wait on that peer."""
+    try:
+        torch.set_num_threads(1)
+        os.environ.setdefault("TRITON_INTERPRET", "1" if not torch.cuda.is_available() else "0")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        results.put((rank, "ok", _to_bytes(fn(rank, world_size, *args))))
+    except BaseException:  # report the failure to the parent instead of hanging it
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
 def run_on_ranks(
-    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0, teardown: bool = True
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, each in its own process.
 
     ``fn`` must be a module-level function (it is pickled by reference) and
     return picklable values (CPU tensors are fine). A rank that raises, or a
     run that exceeds ``timeout`` seconds, fails with the ranks' tracebacks.
+    ``teardown=False``: each rank exits without destroying its groups once it has
+    reported (for scenarios that leave a group broken on purpose).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results, teardown), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
