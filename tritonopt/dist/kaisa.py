@@ -50,8 +50,9 @@ element of the tensor's dtype):
 * ``grad_broadcast`` (every step, ``gw < W``): per layer, ``4 a g`` bytes from the
   layer's gradient worker to each receiver group, all groups concurrently;
 * ``load_state_dict`` (once per :meth:`~KAISAPreconditioner.load_state_dict`): a
-  one-integer all-reduce (max) telling every rank whether some rank lacks eigen
-  data, in which case the eigendecompositions are recomputed and re-broadcast.
+  one-integer all-reduce (max) telling every rank whether some rank refused its
+  state dict (then every rank raises, before anything changes) or lacks eigen
+  data (then the eigendecompositions are recomputed and re-broadcast).
 
 Agreement. At construction the ranks compare a digest per setting (the
 registered layers and their shapes, a checksum of their weights, each
@@ -520,19 +521,43 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         "save on rank 0, load everywhere") lacks those of the layers this rank works
         on. If any rank lacks eigen data it needs, every rank recomputes and
         re-broadcasts them from the saved factors (with ``compute_inverses``).
+
+        Every rank checks its own state dict before any rank changes anything: if
+        one refuses it, every rank raises (the others naming that rank) and nothing
+        is loaded anywhere.
         """
-        self.check_state_dict(state_dict)
-        missing = self.restore_state(state_dict, needs_eigen=lambda i: self.assignment.is_grad_worker(i, self.rank))
-        if compute_inverses and self._any_rank(bool(missing)):
+        def needs_eigen(i: int) -> bool:
+            return self.assignment.is_grad_worker(i, self.rank)
+
+        problem: Optional[Exception] = None
+        lacks_eigen = False
+        try:
+            self.check_state_dict(state_dict)
+            lacks_eigen = any(needs_eigen(i) and not state_dict["layers"][layer.name].get("eigen")
+                              and state_dict["layers"][layer.name]["a_factor"] is not None
+                              for i, layer in enumerate(self.layers))
+        except (TypeError, ValueError) as exc:
+            problem = exc
+        verdict = self._load_verdict(problem, lacks_eigen)
+        if problem is not None:
+            raise problem
+        if verdict >= 2:
+            raise ValueError(f"KAISAPreconditioner: rank {verdict - 2} refused its state dict (see its error); "
+                             "nothing was loaded on any rank")
+        self.restore_state(state_dict, needs_eigen=needs_eigen)
+        if compute_inverses and verdict == 1:
             for i, data in self._eigen_update({}, self.hyperparameter("damping")).items():
                 self.layers[i].eigen = data
 
-    def _any_rank(self, flag: bool) -> bool:
+    def _load_verdict(self, problem: Optional[Exception], lacks_eigen: bool) -> int:
+        """One integer all-reduced (max) over the ranks: ``2 + r`` when rank ``r`` refused its state
+        dict (the highest such rank), else 1 when some rank lacks eigen data it needs, else 0."""
+        flag = 2 + self.rank if problem is not None else int(lacks_eigen)
         if self.world_size == 1:
             return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.layers[0].weight.device)
+        value = torch.tensor([flag], dtype=torch.int32, device=self.layers[0].weight.device)
         self._collectives.all_reduce(value, label="load_state_dict", op=dist.ReduceOp.MAX, group=self._world_group)
-        return bool(value.item())
+        return int(value.item())
 
     # ------------------------------------------------------------------ reports
 
