@@ -8,8 +8,9 @@ middle of a step (inside one of its collectives). A run steps (``step(i)``:
 one training step, or one epoch, or one pipeline pass), saves and loads its
 state (``save()`` / ``load(saved)``: the state dicts of the layer, the model
 and any outer optimizer) and reports its weights. The entry also names a
-setting a differently configured rank may hold (``differing``) and an argument
-a rank may refuse (``bad_argument``), each with the word its error must name.
+setting a differently configured rank may hold (``differing``), an argument
+a rank may refuse (``bad_argument``) and how to spoil a saved state so that
+the layer refuses it (``spoiled_state``), each with the word its error must name.
 A new distributed layer joins every contract test by adding an entry here.
 """
 
@@ -113,8 +114,8 @@ class KAISARun(Run):
                             "optimizer": self.optimizer.state_dict()})
 
     def load(self, saved: dict) -> None:
+        self.kaisa.load_state_dict(saved["kaisa"])  # the layer first: if it refuses, nothing changed
         self.model.load_state_dict(saved["model"])
-        self.kaisa.load_state_dict(saved["kaisa"])
         self.optimizer.load_state_dict(saved["optimizer"])
 
 
@@ -146,8 +147,8 @@ class DHO2Run(Run):
         return _round_trip({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()})
 
     def load(self, saved: dict) -> None:
+        self.optimizer.load_state_dict(saved["optimizer"])  # the layer first: if it refuses, nothing changed
         self.model.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
 
 
 # --------------------------------------------------------------------------- MR-DHO2
@@ -185,8 +186,8 @@ class MRDHO2Run(Run):
         return _round_trip({"model": self.model.state_dict(), "layer": self.layer.state_dict()})
 
     def load(self, saved: dict) -> None:
+        self.layer.load_state_dict(saved["layer"])  # the layer first: if it refuses, nothing changed
         self.model.load_state_dict(saved["model"])
-        self.layer.load_state_dict(saved["layer"])
 
 
 # --------------------------------------------------------------------------- DSP
@@ -234,6 +235,8 @@ class DistLayerInfo:
 
     ``differing``: overrides rank 1 builds with, and the setting's name every rank's error names;
     ``bad_argument``: overrides only rank 1 builds with, which it refuses, and the word its error names;
+    ``spoiled_state``: a function spoiling what ``Run.save`` returned, and the word the refusal
+    names; None for a layer that holds no state of its own (its model's and optimizer's are torch's);
     ``steps``: the length of the resumed run, saved after ``save_after`` steps.
     """
 
@@ -241,14 +244,29 @@ class DistLayerInfo:
     make_run: Callable[..., Run]
     differing: tuple[dict, str]
     bad_argument: tuple[dict, str]
+    spoiled_state: Optional[tuple[Callable[[dict], None], str]]
     steps: int = 4
     save_after: int = 2
 
 
+def _drop_a_kaisa_layer(saved: dict) -> None:
+    saved["kaisa"]["layers"].pop(next(iter(saved["kaisa"]["layers"])))
+
+
+def _drop_fosi_entry(saved: dict) -> None:
+    saved["optimizer"].pop("fosi")
+
+
+def _claim_another_rank(saved: dict) -> None:
+    saved["layer"]["rank"] = 1 - saved["layer"]["rank"]
+
+
 LAYERS = [
-    DistLayerInfo("KAISAPreconditioner", KAISARun, ({"damping": 0.01}, "damping"), ({"damping": -1.0}, "damping")),
-    DistLayerInfo("DHO2", DHO2Run, ({"lr": 2e-2}, "lr"), ({"lr": -1.0}, "lr")),
+    DistLayerInfo("KAISAPreconditioner", KAISARun, ({"damping": 0.01}, "damping"), ({"damping": -1.0}, "damping"),
+                  (_drop_a_kaisa_layer, "layers")),
+    DistLayerInfo("DHO2", DHO2Run, ({"lr": 2e-2}, "lr"), ({"lr": -1.0}, "lr"), (_drop_fosi_entry, "fosi")),
     DistLayerInfo("MRDHO2", MRDHO2Run, ({"accumulated_gradient": "mean"}, "accumulated_gradient"),
-                  ({"lr": -1.0}, "lr"), steps=6, save_after=3),
-    DistLayerInfo("DSPStage", DSPRun, ({"flush": "never"}, "flush"), ({"bn_policy": "sideways"}, "bn_policy")),
+                  ({"lr": -1.0}, "lr"), (_claim_another_rank, "saved on rank"), steps=6, save_after=3),
+    DistLayerInfo("DSPStage", DSPRun, ({"flush": "never"}, "flush"), ({"bn_policy": "sideways"}, "bn_policy"),
+                  None),
 ]

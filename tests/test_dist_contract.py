@@ -8,6 +8,8 @@
 * a stall: a rank that stops in the middle of a step makes the other raise
   :class:`~tritonopt.dist.CollectiveFailure` within the layer's ``timeout``,
   naming the layer, the ranks and the timeout;
+* a refused state: a state dict one rank refuses makes every rank raise at
+  once, and changes nothing on any rank;
 * resume: a run saved mid-way (through ``torch.save`` / ``torch.load(weights_only=True)``),
   rebuilt and loaded, continues bit for bit like the uninterrupted run.
 
@@ -102,7 +104,35 @@ def _resume(info: DistLayerInfo, rank: int, world: int) -> dict:
     return {"initial": initial, "straight": straight.weights(), "resumed": resumed.weights()}
 
 
-CASES = {"agreement": _agreement, "startup_error": _startup_error, "stall": _stall, "resume": _resume}
+def _refused_state(info: DistLayerInfo, rank: int, world: int) -> dict:
+    if info.spoiled_state is None:
+        return {}
+    run = info.make_run(rank, world, timeout=PATIENT)
+    for i in range(info.save_after):
+        run.step(i)
+    saved = run.save()
+    if rank == ODD_RANK:
+        info.spoiled_state[0](saved)
+    run.step(info.save_after)  # so that loading the checkpoint on any rank would change something
+    before = run.save()
+    outcome = _outcome(lambda: run.load(saved))
+    outcome["unchanged"] = _same(before, run.save())
+    return outcome
+
+
+def _same(a, b) -> bool:
+    """Equal structure, and tensors equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+CASES = {"agreement": _agreement, "startup_error": _startup_error, "stall": _stall,
+         "refused_state": _refused_state, "resume": _resume}
 
 
 def scenarios(rank: int, world: int) -> dict:
@@ -173,6 +203,19 @@ def test_a_stalled_rank_makes_the_other_raise_a_collective_failure_within_the_ti
         assert "[0, 1]" in message and f"on rank {rank}" in message, message
         waited = outcome["ended"] - stalled["stalled_at"]
         assert waited <= TIMEOUT + SLACK, (rank, waited, message)
+
+
+@pytest.mark.parametrize("info", [pytest.param(info, id=info.name) for info in LAYERS if info.spoiled_state])
+def test_a_state_dict_refused_on_one_rank_is_refused_on_every_rank_and_changes_nothing(results, info):
+    word = info.spoiled_state[1]
+    for rank, outcome in enumerate(_per_rank(results, info, "refused_state")):
+        assert "a ValueError" in outcome["kind"] or "a TypeError" in outcome["kind"], (rank, outcome)
+        assert outcome["ended"] - outcome["began"] < PROMPT, (rank, outcome)
+        assert outcome["unchanged"], (rank, outcome)
+        if rank == ODD_RANK:
+            assert word in outcome["message"], outcome
+        else:
+            assert "refused" in outcome["message"], outcome
 
 
 @pytest.mark.parametrize("info", LAYER_PARAMS)
