@@ -7,6 +7,7 @@ Huang, CVPR 2020, sec. 3.3), with momentum SGD in the paper's experiments
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -15,11 +16,16 @@ from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_bool, check_float
 from tritonopt.optim._blocks import BlockLayout
 from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, bind_flat_state
-from tritonopt.optim.functional import all_finite, flat_sgd
+from tritonopt.optim.functional import flat_sgd
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_STEPS = 2**62
 _HYPERPARAMETERS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+# A step whose bound on any value it computes stays below this fraction of the largest finite
+# value (float32 inside the fused op, the parameters' dtype once rounded) cannot overflow:
+# the bound is a sum of products of rounded magnitudes, far within a factor of 4 of exact.
+_SAFE_FRACTION = 0.25
+_SAFE_FLOAT32 = _SAFE_FRACTION * torch.finfo(torch.float32).max
 
 
 class _FlatGroup(PackedGroup):
@@ -27,7 +33,8 @@ class _FlatGroup(PackedGroup):
 
     ``weights`` and ``grad`` are the parameters and their gradients themselves (not copies);
     ``state`` holds the flat momentum buffer once it exists, ``work`` the float32 copy of
-    narrower weights.
+    narrower weights. ``bounds`` are upper bounds on ``max|weights|`` and ``max|momentum|``
+    that the steps keep up to date (None until the next step measures them).
     """
 
     def __init__(self, layout: BlockLayout, weights: torch.Tensor, grad: torch.Tensor):
@@ -35,6 +42,7 @@ class _FlatGroup(PackedGroup):
         super().__init__(layout, {}, work)
         self.weights = weights
         self.grad = grad
+        self.bounds: Optional[tuple[float, float]] = None
 
     def holds(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether ``params`` are still this group's tensors, each still the view of its slice."""
@@ -72,7 +80,16 @@ class FlatSGD(PackedOptimizer):
             ``"skip"`` (default) warns and counts it in :attr:`skipped_steps`,
             ``"raise"`` raises ``FloatingPointError``. Checking costs one
             reduction of the gradients and one device-to-host synchronisation
-            per step. A finite gradient whose update overflows is not caught.
+            per step. A finite gradient large enough that the step could
+            overflow (a bound on every value the step computes, from the
+            gradients' largest entry and bounds on the weights and the
+            momentum, passes a quarter of the largest finite value) makes the
+            step copy the weights and the momentum first and check the result
+            (a second synchronisation); if it is not finite the step is undone
+            and counted like a non-finite gradient. The bounds are measured when
+            the flat buffers are (re)built and after such a checked step, and
+            carried forward by every other step; values written into the
+            parameters in place between steps are not seen by them.
 
     State (per parameter): ``momentum_buffer``, float32, shaped like the
     parameter (a view of the group's flat buffer; created at the first step
@@ -118,6 +135,9 @@ class FlatSGD(PackedOptimizer):
 
     def _check_params(self, params: Sequence[torch.Tensor]) -> None:
         super()._check_params(params)
+        if sum(p.numel() for p in params) == 0:
+            raise ValueError("a FlatSGD group needs at least one element: its parameters are all empty, and an "
+                             "empty group has no flat buffer to step")
         for p in params:
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(
@@ -134,14 +154,20 @@ class FlatSGD(PackedOptimizer):
 
     def _checkpoint_spec(self, index: int, group: dict, params) -> CheckpointSpec:
         return CheckpointSpec(per_param=frozenset(), like_param=frozenset({"momentum_buffer"}),
-                              optional=frozenset({"momentum_buffer"}), group_counters={"step": _MAX_STEPS})
+                              optional=frozenset({"momentum_buffer"}), group_counters={"step": _MAX_STEPS},
+                              dtypes={"momentum_buffer": torch.float32})
 
     # ------------------------------------------------------------------ the flat buffers
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
-        self._flat_group(index, self.param_groups[index]["params"])
+        try:
+            self._flat_group(index, self.param_groups[index]["params"])
+        except Exception:
+            self.param_groups.pop()  # a refused group leaves the optimizer as it was
+            self._packed.pop(index, None)
+            raise
 
     def _flat_group(self, index: int, params: list[torch.Tensor]) -> _FlatGroup:
         """The group's flat buffers; the parameters are moved into fresh ones when they are not views of them."""
@@ -197,19 +223,106 @@ class FlatSGD(PackedOptimizer):
                 packed = self._flat_group(index, group["params"])
                 self._gather_gradients(packed)
                 work.append((group, packed))
-        if not all(all_finite([packed.grad for _, packed in work])):
+        # The step's one host read: each group's largest gradient entry (NaN and inf propagate
+        # into it) and, where the flat buffers were just built, their weights' and momentum's.
+        probes = []
+        for group, packed in work:
+            probes.append(packed.grad.abs().amax().float())
+            if packed.bounds is None:
+                probes += [packed.weights.abs().amax().float(), self._largest_momentum(packed)]
+        values = iter(torch.stack(probes).tolist())
+        plan = []
+        for group, packed in work:
+            largest_grad = next(values)
+            if packed.bounds is None:
+                packed.bounds = (next(values), next(values))
+            plan.append(largest_grad)
+        if not all(math.isfinite(largest) for largest in plan):
             self._refuse_step("a gradient holds NaN or inf")
             return loss
+        bounds, risky = [], False
+        for (group, packed), largest_grad in zip(work, plan):
+            first_step = group["momentum"] != 0 and not any(
+                "momentum_buffer" in self.state.get(p, {}) for p in packed.layout.tensors)
+            after, group_risky = _step_bounds(group, largest_grad, packed.bounds, first_step, packed.weights.dtype)
+            bounds.append(after)
+            risky = risky or group_risky
 
+        # A step that could overflow keeps what it may have to restore.
+        saved = [self._keep(packed) for _, packed in work] if risky else None
         for group, packed in work:
             params = packed.layout.tensors
             first_step = False
             if group["momentum"] != 0 and "momentum_buffer" not in packed.state:
                 first_step = not any("momentum_buffer" in self.state[p] for p in params)
                 packed.state.update(bind_flat_state(self.state, packed.layout, ["momentum_buffer"], torch.float32))
-            counter = self.state[params[0]]
             hyperparameters = {name: group[name] for name in _HYPERPARAMETERS}
             flat_sgd(packed.weights, packed.grad, packed.state.get("momentum_buffer"), first_step=first_step,
                      work=packed.work.get("weights32"), **hyperparameters)
+        if risky:
+            # One read: every group's largest weight and momentum entry (NaN and inf propagate).
+            measured = torch.stack([value for _, packed in work for value in
+                                    (packed.weights.abs().amax().float(), self._largest_momentum(packed))]).tolist()
+            if not all(math.isfinite(value) for value in measured):
+                for (_, packed), kept in zip(work, saved):
+                    self._restore(packed, kept)
+                self._refuse_step("the update overflowed to NaN or inf (a finite but huge gradient); the step "
+                                  "was undone")
+                return loss
+            bounds = list(zip(measured[0::2], measured[1::2]))
+        for (_, packed), after in zip(work, bounds):
+            packed.bounds = after
+            counter = self.state[packed.layout.tensors[0]]
             counter["step"] = counter.get("step", 0) + 1
         return loss
+
+    def _largest_momentum(self, packed: _FlatGroup) -> torch.Tensor:
+        """``max|momentum|`` of the group as a 0-d float32 tensor (0 without a momentum buffer)."""
+        if "momentum_buffer" in packed.state:
+            return packed.state["momentum_buffer"].abs().amax().float()
+        # .get: reading the state must not create entries for parameters without any.
+        buffers = [self.state[p]["momentum_buffer"] for p in packed.layout.tensors
+                   if "momentum_buffer" in self.state.get(p, {}) and self.state[p]["momentum_buffer"].numel()]
+        if not buffers:
+            return packed.weights.new_zeros((), dtype=torch.float32)
+        return torch.stack([b.abs().amax().float().to(packed.weights.device) for b in buffers]).amax()
+
+    def _keep(self, packed: _FlatGroup) -> tuple:
+        """What :meth:`_restore` needs to undo this step on ``packed``: copies of the weights and the
+        momentum, or the per-parameter momentum entries the step will replace with views."""
+        bound = packed.state.get("momentum_buffer")
+        entries = {p: self.state.get(p, {}).get("momentum_buffer") for p in packed.layout.tensors}
+        return packed.weights.clone(), None if bound is None else bound.clone(), entries
+
+    def _restore(self, packed: _FlatGroup, kept: tuple) -> None:
+        weights, momentum, entries = kept
+        packed.weights.copy_(weights)
+        if momentum is not None:
+            packed.state["momentum_buffer"].copy_(momentum)
+            return
+        if packed.state.pop("momentum_buffer", None) is None:
+            return
+        # The buffer was made by this step: the parameters get back what they held before it.
+        for p, entry in entries.items():
+            if entry is not None:
+                self.state[p]["momentum_buffer"] = entry
+            elif self.state[p].pop("momentum_buffer", None) is not None and not self.state[p]:
+                del self.state[p]
+
+
+def _step_bounds(group: dict, largest_grad: float, bounds: tuple[float, float], first_step: bool,
+                 dtype: torch.dtype) -> tuple[tuple[float, float], bool]:
+    """Bounds on ``max|weights|`` and ``max|momentum|`` after one step of ``group``, and whether the step
+    could overflow: ``torch.optim.SGD``'s update (see :class:`FlatSGD`) with every term at its bound."""
+    weights, momentum = bounds
+    mu = group["momentum"]
+    direction = largest_grad + group["weight_decay"] * weights
+    values = [direction]
+    if mu != 0:
+        momentum = direction if first_step else mu * momentum + abs(1.0 - group["dampening"]) * direction
+        direction = direction + mu * momentum if group["nesterov"] else momentum
+        values += [momentum, direction]
+    values.append(group["lr"] * direction)
+    weights = weights + values[-1]
+    risky = not (max(values) < _SAFE_FLOAT32 and weights < _SAFE_FRACTION * torch.finfo(dtype).max)
+    return (weights, momentum), risky

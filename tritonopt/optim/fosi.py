@@ -485,8 +485,11 @@ class FOSI(PackedOptimizer):
             if extra is None:
                 raise ValueError("state_dict has no 'fosi' entry: it was not saved by FOSI")
             self._check_saved(state_dict, extra)
-        except (TypeError, ValueError) as exc:
+        except ValueError as exc:
             problem = exc
+        except TypeError as exc:  # a field of the wrong kind is a bad value of the state dict
+            problem = ValueError(str(exc))
+            problem.__cause__ = exc
         device = self._trainable()[0].device if self._trainable() else torch.device("cpu")
         # Raises ``problem``; a distributed subspace first agrees with the other ranks.
         self.subspace.check_checkpoint(extra, device, problem)
@@ -532,6 +535,9 @@ class FOSI(PackedOptimizer):
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}")
+        # The rule every packed optimizer keeps (the parameter layout it was saved for, the
+        # hyperparameters, skipped_steps), here so that a distributed subspace agrees on it.
+        super().check_state_dict(state_dict)
         saved = state_dict["state"]
         expected = {*_BASE_STATE[self.config.base], "eigenvectors"}
         for group, saved_group in zip(self.param_groups, groups):
@@ -555,9 +561,6 @@ class FOSI(PackedOptimizer):
                         raise ValueError(f"state {name!r} of parameter {pid} must have shape {shape}, got {got}")
                     if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
                         raise ValueError(f"state {name!r} of parameter {pid} must be finite floating point")
-        # The rule every packed optimizer keeps: the parameter layout it was saved for, the
-        # hyperparameters, skipped_steps; checked here so that a distributed subspace agrees on it.
-        super().check_state_dict(state_dict)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()

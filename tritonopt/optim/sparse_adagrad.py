@@ -143,7 +143,7 @@ class SparseAdaGrad(PackedOptimizer):
         with nvtx_range("tritonopt/sparse_adagrad/pack"):
             for index, group in enumerate(self.param_groups):
                 params = self._params_with_grad(group)
-                if not params:
+                if not any(p.numel() for p in params):  # a group of only empty parameters has nothing to step
                     continue
                 packed = self._packed_group(index, group, params)
                 packed.layout.pack([p.grad for p in params], packed.grad)
