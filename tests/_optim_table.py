@@ -22,16 +22,17 @@ from _helpers import SHAPES, gradient_stream, make_params, set_grads, state_tens
 
 
 class ParamsRun:
-    """An optimizer that consumes ``.grad`` of ``SHAPES`` parameters; gradient ``i`` is fixed by ``i``."""
+    """An optimizer that consumes ``.grad`` of ``shapes`` parameters; gradient ``i`` is fixed by ``i``."""
 
     def __init__(self, info: "OptimizerInfo", *, on_nonfinite: str = "skip", seed: int = 0,
-                 dtype: torch.dtype = torch.float32):
-        self.params = make_params(SHAPES, seed, dtype)
+                 dtype: torch.dtype = torch.float32, shapes=SHAPES):
+        self.shapes = shapes
+        self.params = make_params(shapes, seed, dtype)
         self.optimizer = info.build(self.params, on_nonfinite=on_nonfinite)
         self.optimizers = [self.optimizer]
 
     def gradients(self, i: int) -> list[torch.Tensor]:
-        return gradient_stream(SHAPES, 1, seed=100 + i)[0]
+        return gradient_stream(self.shapes, 1, seed=100 + i)[0]
 
     def step(self, i: int, poison: Optional[Callable[[list[torch.Tensor]], None]] = None):
         grads = self.gradients(i)
@@ -59,29 +60,44 @@ class ParamsRun:
 
 
 class ModelRun(ParamsRun):
-    """An optimizer that needs a model (curvature from its loss, or layer hooks): a small MLP classifier."""
+    """An optimizer that needs a model (curvature from its loss, or layer hooks): a small MLP classifier.
 
-    def __init__(self, info: "OptimizerInfo", *, on_nonfinite: str = "skip", seed: int = 0):
+    ``sizes`` are the layer widths (inputs, hidden, classes); ``reversed_params``
+    gives the optimizer the model's parameters in reverse order.
+    """
+
+    def __init__(self, info: "OptimizerInfo", *, on_nonfinite: str = "skip", seed: int = 0,
+                 dtype: torch.dtype = torch.float32, sizes=(6, 8, 3), reversed_params: bool = False):
         torch.manual_seed(seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        inputs, hidden, self.classes = sizes
+        self.model = torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.Tanh(),
+                                         torch.nn.Linear(hidden, self.classes)).to(dtype)
         self.params = list(self.model.parameters())
+        self.optimizer_params = self.params[::-1] if reversed_params else self.params
         gen = torch.Generator().manual_seed(1)  # the data belongs to the problem, not to the run's seed
-        self.curvature_batch = (torch.randn(32, 6, generator=gen), torch.randint(0, 3, (32,), generator=gen))
+        self.curvature_batch = (torch.randn(32, inputs, generator=gen).to(dtype),
+                                torch.randint(0, self.classes, (32,), generator=gen))
         self.optimizers = info.build_for_model(self, on_nonfinite=on_nonfinite)
         self.optimizer = self.optimizers[0]
 
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(100 + i)
-        return torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+        x = torch.randn(16, self.model[0].in_features, generator=gen).to(self.params[0].dtype)
+        return x, torch.randint(0, self.classes, (16,), generator=gen)
 
     def curvature_loss(self) -> torch.Tensor:
         x, y = self.curvature_batch
-        return torch.nn.functional.cross_entropy(self.model(x), y)
+        return torch.nn.functional.cross_entropy(self.logits(x), y)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output, in float32 when the model computes in a narrower dtype."""
+        out = self.model(x)
+        return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
     def step(self, i: int, poison: Optional[Callable[[list[torch.Tensor]], None]] = None):
         self.model.zero_grad(set_to_none=True)
         x, y = self.batch(i)
-        torch.nn.functional.cross_entropy(self.model(x), y).backward()
+        torch.nn.functional.cross_entropy(self.logits(x), y).backward()
         if poison is not None:
             grads = [p.grad for p in self.params]
             poison(grads)
@@ -102,6 +118,13 @@ class OptimizerInfo:
     bad_group: Optional[dict] = None  # a group option that must be refused by add_param_group
     # Contract tests this optimizer does not pass yet: test name -> the defect (strict xfail).
     known_defects: dict = field(default_factory=dict)
+    # Run options that build the same problem for other parameters: a checkpoint of the default
+    # run must be refused by each (name -> make_run keyword arguments).
+    other_layouts: dict = field(default_factory=lambda: {
+        "permuted shapes": dict(shapes=SHAPES[::-1]),
+        "transposed shapes": dict(shapes=[tuple(reversed(s)) for s in SHAPES]),
+        "another dtype": dict(dtype=torch.bfloat16),
+    })
 
     def make_run(self, **kwargs):
         return self.run(self, **kwargs)
@@ -199,7 +222,7 @@ OPTIMIZERS = [
 
 
 def _fosi_for_model(run: ModelRun, **kwargs):
-    return [tritonopt.optim.FOSI(run.model.parameters(), lr=1e-2, k=2, l=1, num_lanczos_iters=8,
+    return [tritonopt.optim.FOSI(run.optimizer_params, lr=1e-2, k=2, l=1, num_lanczos_iters=8,
                                  curvature_update_every=3, curvature_loss_fn=run.curvature_loss, **kwargs)]
 
 
@@ -227,11 +250,23 @@ OPTIMIZERS += [
                                           (dict(weight_decay=-1.0), "weight_decay"),
                                           (dict(eigenvalue_floor=2.0), "eigenvalue_floor")],
         steps_to_wrap=4,
+        other_layouts={
+            "permuted shapes": dict(reversed_params=True),
+            "transposed shapes": dict(sizes=(8, 6, 3)),  # the first weight is [6, 8] instead of [8, 6]
+            "another dtype": dict(dtype=torch.float64),
+        },
     ),
     OptimizerInfo(
         "KFACPreconditioner", KFACRun, build_for_model=_kfac_for_model,
         bad_hyperparameters=[(dict(damping=0.0), "damping"), (dict(factor_update_steps=0), "factor_update_steps")],
         steps_to_wrap=4, param_groups=False,
+        other_layouts={
+            # K-FAC keeps its state per named layer, so its "order" is the layers': the first
+            # layer takes the second one's weight shape, [3, 8].
+            "permuted shapes": dict(sizes=(8, 3, 3)),
+            "transposed shapes": dict(sizes=(8, 6, 3)),
+            "another dtype": dict(dtype=torch.bfloat16),
+        },
     ),
 ]
 

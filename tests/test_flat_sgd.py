@@ -4,6 +4,9 @@ Hyperparameter checks, closures, parameter groups, the non-finite policy, copies
 checkpoints: tests/test_optimizer_contract.py (entry in tests/_optim_table.py).
 """
 
+import copy
+import warnings
+
 import pytest
 import torch
 from _helpers import BACKENDS, flat, gradient_stream, make_params, set_grads
@@ -12,6 +15,7 @@ from torch import nn
 import tritonopt
 from tritonopt.dist import simulate_dsp, split_stages
 from tritonopt.optim import FlatSGD
+from tritonopt.optim.functional import flat_sgd
 
 UNIT_ROUNDOFF = 2.0**-24
 SETTINGS = [
@@ -195,6 +199,113 @@ def test_parameters_it_cannot_step_are_refused_and_left_alone():
     with pytest.raises(ValueError, match="twice"):
         FlatSGD([p, p], lr=0.1)
     assert torch.equal(p.detach(), torch.ones(2)) and p.grad is None
+
+
+def _snapshot(params, optimizer):
+    return flat(params), copy.deepcopy(optimizer.state_dict())
+
+
+def _assert_unchanged(params, optimizer, snapshot):
+    weights, state = snapshot
+    assert torch.equal(flat(params), weights)
+    after = optimizer.state_dict()
+    assert after["state"].keys() == state["state"].keys()
+    for pid, entry in state["state"].items():
+        assert after["state"][pid].keys() == entry.keys()
+        for name, value in entry.items():
+            assert torch.equal(after["state"][pid][name], value) if isinstance(value, torch.Tensor) else (
+                after["state"][pid][name] == value)
+
+
+def test_a_gradient_of_1e38_step_after_step_never_makes_the_parameters_nonfinite():
+    # The momentum grows by 1e38 a step: the fourth step would reach -inf.
+    params = make_params([(4,)])
+    opt = FlatSGD(params, lr=0.1, momentum=0.9)
+    for i in range(4):
+        snapshot = _snapshot(params, opt)
+        set_grads(params, [torch.full((4,), 1e38)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            opt.step()
+        assert bool(torch.isfinite(flat(params)).all())
+        assert bool(torch.isfinite(opt.state[params[0]]["momentum_buffer"]).all())
+        if i < 3:
+            assert opt.skipped_steps == 0 and opt.state[params[0]]["step"] == i + 1
+    assert opt.skipped_steps == 1
+    _assert_unchanged(params, opt, snapshot)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_step_that_would_overflow_is_skipped_or_raises_and_changes_nothing(momentum):
+    params = make_params([(4,), (2, 3)])
+    opt = FlatSGD(params, lr=10.0, momentum=momentum)
+    for i in range(3):  # the first step overflows too: a momentum buffer it made is dropped again
+        snapshot = _snapshot(params, opt)
+        set_grads(params, [torch.full((4,), 1e38), torch.full((2, 3), -1e38)])
+        with pytest.warns(RuntimeWarning, match="overflowed"):
+            opt.step()
+        _assert_unchanged(params, opt, snapshot)
+        assert opt.skipped_steps == i + 1
+    assert not opt.state
+    # The policy "raise" raises instead, also before anything changes.
+    strict = FlatSGD(params, lr=10.0, momentum=momentum, on_nonfinite="raise")
+    snapshot = _snapshot(params, strict)
+    with pytest.raises(FloatingPointError, match="overflowed"):
+        strict.step()
+    _assert_unchanged(params, strict, snapshot)
+    # A finite gradient after them steps as usual.
+    set_grads(params, gradient_stream([(4,), (2, 3)], 1)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert bool(torch.isfinite(flat(params)).all()) and opt.state[params[0]]["step"] == 1
+
+
+def test_an_overflow_in_one_group_undoes_the_step_of_every_group():
+    small, large = make_params([(3,)]), make_params([(2,)], seed=1)
+    opt = FlatSGD([{"params": small}, {"params": large, "lr": 10.0}], lr=0.1, momentum=0.9)
+    set_grads(small + large, [torch.ones(3), torch.ones(2)])
+    opt.step()
+    snapshot = _snapshot(small + large, opt)
+    set_grads(small + large, [torch.ones(3), torch.full((2,), 3e38)])
+    with pytest.warns(RuntimeWarning, match="overflowed"):
+        opt.step()
+    _assert_unchanged(small + large, opt, snapshot)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_checked_step_that_stays_finite_is_the_ordinary_step(dtype):
+    # A gradient of 1e38 makes the step's bound pass a quarter of float32's range, so the step
+    # is checked; with a small lr its result is finite, and it is the fused op's step bit for bit.
+    shapes, hyper = [(5,), (3, 2)], dict(lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=1e-2)
+    params = make_params(shapes, dtype=dtype)
+    opt = FlatSGD(params, **hyper)
+    weights, momentum = flat(params).view(1, -1), torch.zeros(1, 11)
+    for i, grads in enumerate(gradient_stream(shapes, 3)):
+        if i == 1:
+            grads = [g / g.abs().max() * 1e38 for g in grads]
+        set_grads(params, grads)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()
+        flat_sgd(weights, flat(g.to(dtype) for g in grads).view(1, -1), momentum, first_step=i == 0,
+                 nesterov=False, maximize=False, **hyper)
+    assert opt.skipped_steps == 0
+    assert torch.equal(flat(params), weights.view(-1))
+
+
+def test_a_group_of_only_empty_parameters_is_refused_and_leaves_the_optimizer_as_it_was():
+    params = make_params([(3,)])
+    opt = FlatSGD(params, lr=0.1, momentum=0.9)
+    set_grads(params, [torch.ones(3)])
+    opt.step()
+    snapshot = _snapshot(params, opt)
+    with pytest.raises(ValueError, match="at least one element"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(2, 0))]})
+    assert len(opt.param_groups) == 1
+    _assert_unchanged(params, opt, snapshot)
+    opt.step()  # every later step works
+    assert opt.state[params[0]]["step"] == 2
 
 
 def test_as_the_stage_optimizer_of_a_dsp_pipeline():

@@ -96,3 +96,28 @@ def test_state_bytes():
     # ring (int16 indices, float32 values), error and packed-gradient scratch (29 padded to 32), Gram matrix, step counters
     assert opt.state_bytes() == 4 * 3 * 2 * (2 + 4) + 2 * 4 * 32 + 8 * 9 + 4 * len(params)
     assert opt.state_bytes() == opt.expected_state_bytes()
+
+
+@pytest.mark.parametrize("saved_shapes, loaded_shapes", [
+    ([(3,), (5,)], [(5,), (3,)]),  # the same window width, the parameters in another order
+    ([(2, 3)], [(3, 2)]),  # transposed
+])
+def test_a_checkpoint_saved_for_other_parameter_shapes_is_refused(saved_shapes, loaded_shapes):
+    # Without momentum the state holds no entry shaped like a parameter: the layout decides.
+    saved_params = make_params(saved_shapes)
+    saved = GGT(saved_params, lr=0.1, ngrads=2, eps=0.1)
+    for grads in gradient_stream(saved_shapes, 3):
+        set_grads(saved_params, grads)
+        saved.step()
+    params = make_params(loaded_shapes, seed=1)
+    opt = GGT(params, lr=0.1, ngrads=2, eps=0.1)
+    set_grads(params, gradient_stream(loaded_shapes, 1, seed=2)[0])
+    opt.step()
+    weights, ring = flat(params), opt.state[params[0]]["ring_grads"].clone()
+    with pytest.raises(ValueError, match="param_layout"):
+        opt.load_state_dict(saved.state_dict())
+    assert torch.equal(flat(params), weights) and torch.equal(opt.state[params[0]]["ring_grads"], ring)
+    # The optimizer steps on from its own state.
+    set_grads(params, gradient_stream(loaded_shapes, 1, seed=3)[0])
+    opt.step()
+    assert int(opt.state[params[0]]["step"]) == 2

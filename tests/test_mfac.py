@@ -1,3 +1,4 @@
+import copy
 import math
 """Dense M-FAC and S-MFAC: the IHVP against an explicit inverse, the literal recursion, the
 density-100 % reduction, backends, checkpoints and bad input."""
@@ -494,3 +495,30 @@ def test_a_bfloat16_error_loses_only_the_rounding_of_each_residual(backend):
         set_grads(exact.param_groups[0]["params"], stream[0])
         exact.step()
     assert opt.state_bytes() == opt.expected_state_bytes() < exact.expected_state_bytes()
+
+
+@pytest.mark.parametrize("saved_shapes, loaded_shapes", [
+    ([(3,), (5,)], [(5,), (3,)]),  # the same window width, the parameters in another order
+    ([(2, 3)], [(3, 2)]),  # transposed
+    ([(4,)], [(4,)]),  # the same shapes, another dtype (below)
+])
+def test_a_checkpoint_saved_for_other_parameters_is_refused(saved_shapes, loaded_shapes):
+    # Without momentum the per-parameter state is only `step` and the window is [m, total]:
+    # no entry's shape tells the parameters apart, only the layout the checkpoint names.
+    dtype = torch.bfloat16 if saved_shapes == loaded_shapes else torch.float32
+    saved_params = make_params(saved_shapes)
+    saved = MFAC(saved_params, lr=0.1, ngrads=2, damp=0.1)
+    run_steps(saved_params, saved, gradient_stream(saved_shapes, 3))
+    params = make_params(loaded_shapes, seed=1, dtype=dtype)
+    opt = MFAC(params, lr=0.1, ngrads=2, damp=0.1)
+    run_steps(params, opt, gradient_stream(loaded_shapes, 1, seed=2))
+    before = [flat(params), copy.deepcopy(opt.state_dict())]
+    with pytest.raises(ValueError, match="param_layout"):
+        opt.load_state_dict(saved.state_dict())
+    assert torch.equal(flat(params), before[0])
+    after = opt.state_dict()
+    assert after["state"].keys() == before[1]["state"].keys()
+    for pid, entry in before[1]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(after["state"][pid][name], value) if isinstance(value, torch.Tensor) else (
+                after["state"][pid][name] == value)

@@ -6,9 +6,11 @@ with gradients enabled; a run resumed from a checkpoint (``torch.save`` and
 like the original; a non-finite gradient at the first step, while the window
 fills or after it wraps changes nothing (``skip``: a warning and a counted step;
 ``raise``: ``FloatingPointError``); a huge finite gradient never makes anything
-non-finite; sparse gradients are refused before anything changes (torch itself refuses
-a complex gradient for a real parameter);
-a tampered state dict is refused before anything changes.
+non-finite, also step after step; sparse gradients are refused before anything changes (torch
+itself refuses a complex gradient for a real parameter); a group of only empty parameters is
+refused without a trace or stepped like the others; a tampered state dict, one saved for
+other parameters (permuted or transposed shapes, another dtype) or holding an out-of-range
+or wrong-typed scalar is refused with a ``ValueError`` before anything changes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import io
 import math
 import os
 import pickle
+import re
 import warnings
 
 import pytest
@@ -65,6 +68,31 @@ def test_a_rejected_param_group_leaves_the_optimizer_unchanged(info):
         run.optimizer.add_param_group({"params": make_params([(4,)], seed=5), **info.bad_group})
     assert len(run.optimizer.param_groups) == groups
     assert_bitwise_equal(run.snapshot(), before)
+
+
+@pytest.mark.parametrize("info", cases("test_a_group_of_empty_parameters_is_refused_or_stepped_alike", None))
+def test_a_group_of_empty_parameters_is_refused_or_stepped_alike(info):
+    if not info.param_groups:
+        pytest.skip(f"{info.name} has no parameter groups (it preconditions the model's layers)")
+    run = info.make_run()
+    steps(run, range(2))
+    untouched = copy.deepcopy(run)
+    before = run.snapshot()
+    groups = len(run.optimizer.param_groups)
+    empty = torch.nn.Parameter(torch.zeros(0, 3, dtype=run.params[0].dtype))
+    empty.grad = torch.zeros_like(empty)
+    try:
+        run.optimizer.add_param_group({"params": [empty]})
+    except (TypeError, ValueError):
+        assert len(run.optimizer.param_groups) == groups
+        assert_bitwise_equal(run.snapshot(), before)
+    # Refused or accepted, the optimizer steps on exactly as one that never saw the group.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        steps(run, range(2, 4 + info.steps_to_wrap))
+    steps(untouched, range(2, 4 + info.steps_to_wrap))
+    assert_bitwise_equal([p.detach().clone() for p in run.params], [p.detach().clone() for p in untouched.params])
+    assert run.optimizer.skipped_steps == untouched.optimizer.skipped_steps == 0
 
 
 @pytest.mark.parametrize(
@@ -219,6 +247,31 @@ def test_a_huge_finite_gradient_never_makes_anything_nonfinite(info):
 
 
 @pytest.mark.parametrize(
+    "info", cases("test_a_huge_finite_gradient_step_after_step_never_makes_anything_nonfinite", None)
+)
+def test_a_huge_finite_gradient_step_after_step_never_makes_anything_nonfinite(info):
+    run = info.make_run()
+    steps(run, range(2))
+
+    def huge(grads):
+        grads[0].fill_(1e38)
+
+    for i in range(2, 6):
+        before = run.snapshot(ignore=("skipped_steps",))
+        skipped = run.optimizer.skipped_steps
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # refusing the step is allowed; corrupting is not
+            run.step(i, huge)
+        after = run.snapshot(ignore=("skipped_steps",))
+        for value in after:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                assert bool(torch.isfinite(value).all()), f"step {i}"
+        if run.optimizer.skipped_steps != skipped:
+            assert run.optimizer.skipped_steps == skipped + 1
+            assert_bitwise_equal(after, before)
+
+
+@pytest.mark.parametrize(
     "info", cases("test_complex_and_integer_parameters_are_refused", PARAMS_OPTIMIZERS)
 )
 def test_complex_and_integer_parameters_are_refused(info):
@@ -293,3 +346,101 @@ def test_a_tampered_state_dict_is_refused_before_anything_changes(info, case):
     steps(target, range(2, 4))
     steps(untouched, range(2, 4))
     assert_bitwise_equal(target.snapshot(), untouched.snapshot())
+
+
+def _refused_before_anything_changes(info, state, match, **target_options):
+    """Loading ``state`` into a stepped run raises a ``ValueError`` matching ``match``; the run is as before."""
+    target = info.make_run(seed=3, **target_options)
+    steps(target, range(2))
+    before = target.snapshot()
+    with pytest.raises(ValueError, match=match):
+        target.optimizer.load_state_dict(state)
+    assert_bitwise_equal(target.snapshot(), before)
+
+
+LAYOUT_CASES = [
+    pytest.param(info, layout, marks=known_defect_marks(info, "test_a_checkpoint_of_other_parameters_is_refused",
+                                                        layout),
+                 id=f"{info.name}-{layout.replace(' ', '_')}")
+    for info in OPTIMIZERS
+    for layout in ("permuted shapes", "transposed shapes", "another dtype")
+]
+
+
+@pytest.mark.parametrize("info, layout", LAYOUT_CASES)
+def test_a_checkpoint_of_other_parameters_is_refused(info, layout):
+    source = info.make_run()
+    steps(source, range(info.steps_to_wrap + 1))
+    state = copy.deepcopy(source.optimizer.state_dict())
+    # Named by the layout, before any entry's shape could tell (M-FAC's and GGT's often cannot).
+    _refused_before_anything_changes(info, state, "param_layout", **info.other_layouts[layout])
+
+
+def _scalar_fields(state: dict) -> list:
+    """``(path, name)`` of every scalar a state dict holds: numbers, bools and 0-d tensors at any
+    depth of its dicts (``betas``-like pairs of numbers too), leaving out parameter ids and layouts."""
+    fields = []
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key not in ("params", "param_layout"):
+                    walk(item, path + (key,))
+        elif isinstance(value, (list, tuple)) and path[-1] != "param_groups":
+            if value and all(isinstance(item, float) for item in value):
+                fields.extend((path + (index,), path[-1]) for index in range(len(value)))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(item, path + (index,))
+        elif isinstance(value, (bool, int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+            fields.append((path, path[-1]))
+
+    walk(state, ())
+    return fields
+
+
+def _bad_values(value) -> list:
+    """Values of the wrong kind or out of range for a scalar that holds ``value``."""
+    if isinstance(value, bool):
+        return ["yes"]
+    if isinstance(value, int):
+        return [-1, True, float(value)]
+    if isinstance(value, float):
+        return [math.nan, -1.0, True]
+    return [torch.tensor(-1.0), torch.tensor(0.5), torch.tensor(math.nan), torch.tensor(1, dtype=torch.int64)]
+
+
+def _replaced(state: dict, path: tuple, new) -> dict:
+    """A copy of ``state`` whose entry at ``path`` is ``new``."""
+
+    def put(container, keys):
+        if isinstance(container, tuple):  # a pair such as betas
+            return tuple(put(list(container), keys))
+        container[keys[0]] = new if len(keys) == 1 else put(container[keys[0]], keys[1:])
+        return container
+
+    return put(copy.deepcopy(state), path)
+
+
+@pytest.mark.parametrize("info", cases("test_out_of_range_or_wrong_typed_scalars_are_refused_by_name", None))
+def test_out_of_range_or_wrong_typed_scalars_are_refused_by_name(info):
+    source = info.make_run()
+    steps(source, range(info.steps_to_wrap + 1))
+    good = source.optimizer.state_dict()
+    target = info.make_run(seed=3)
+    steps(target, range(2))
+    before = target.snapshot()
+    tried = 0
+    for path, name in _scalar_fields({"": good}):
+        path = path[1:]
+        holder = good
+        for key in path:
+            holder = holder[key]
+        for bad in _bad_values(holder):
+            state = _replaced(good, path, bad)
+            with pytest.raises(ValueError, match=re.escape(str(name))):
+                target.optimizer.load_state_dict(state)
+            tried += 1
+    assert tried >= 6  # skipped_steps, a step counter and a hyperparameter at least
+    assert_bitwise_equal(target.snapshot(), before)
+    target.optimizer.load_state_dict(good)
