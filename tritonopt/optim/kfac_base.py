@@ -183,7 +183,9 @@ class BaseKFACPreconditioner:
             or bfloat16. ``eigh`` and the inverses always run in float32.
         grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop (or a
             function returning its current scale): G is computed from the output
-            gradients divided by the loss scale (paper sec. 4.1).
+            gradients divided by the loss scale (paper sec. 4.1). Without it, output
+            gradients that were loss-scaled anyway are warned about once
+            (:meth:`check_loss_scale`).
         precision: GPU matrix-unit precision of the kernels (see :mod:`tritonopt.kernels.kfac`).
         on_nonfinite: ``"skip"`` or ``"raise"`` (see :mod:`tritonopt.optim.kfac`).
 
@@ -410,7 +412,7 @@ class BaseKFACPreconditioner:
             f"{type(self).__name__}: the output gradients its hooks saw were 2^{exponents[0]} times the "
             "gradients it preconditions, as a torch.amp.GradScaler's loss scale makes them after "
             "scaler.unscale_: pass grad_scaler=scaler, or G holds the squared loss scale and the "
-            "preconditioned updates shrink by orders of magnitude", RuntimeWarning, stacklevel=4,
+            "preconditioned updates shrink by orders of magnitude", RuntimeWarning, stacklevel=5,
         )
 
     def pending_statistics(self) -> list[int]:
