@@ -61,43 +61,4 @@ def test_eigenbasis_precondition_compiles(precision):
     assert torch.equal(compiled(fn)(grad, qa, da, qg, dg), expected)
 
 
-# --------------------------------------------------------------------------- optimizer steps
-#
-# Every optimizer's step traces under torch.compile and gives the eager result bit for bit.
-# None of them compiles with fullgraph=True: the non-finite policy decides on the host
-# whether a step may happen (skip or raise, with nothing modified), and reading that one
-# scalar is a graph break. Everything before and after it traces.
-
-from _helpers import SHAPES, gradient_stream, make_params, set_grads  # noqa: E402
-from _optim_table import PARAMS_OPTIMIZERS  # noqa: E402
-
-COMPILE_CASES = [
-    pytest.param(info, id=info.name, marks=[] if info.name == "SparseMFAC" else [pytest.mark.slow])
-    for info in PARAMS_OPTIMIZERS
-]
-
-
-@pytest.mark.parametrize("info", COMPILE_CASES)
-def test_the_compiled_step_equals_the_eager_step(info):
-    torch._dynamo.reset()
-    eager_params, compiled_params = make_params(), make_params()
-    eager, compiled = info.build(eager_params), info.build(compiled_params)
-    step = torch.compile(compiled.step, backend="aot_eager")
-    with tritonopt.use_backend("reference"):
-        for grads in gradient_stream(SHAPES, 5):  # past the window's wrap
-            set_grads(eager_params, grads)
-            eager.step()
-            set_grads(compiled_params, grads)
-            step()
-    for a, b in zip(eager_params, compiled_params):
-        assert torch.equal(a, b)
-
-
-def test_fullgraph_stops_at_the_host_decision_of_the_nonfinite_policy():
-    torch._dynamo.reset()
-    params = make_params()
-    opt = tritonopt.optim.SparseMFAC(params, lr=0.05, ngrads=3, damp=0.1, density=0.25, block_size=16)
-    set_grads(params, gradient_stream(SHAPES, 1)[0])
-    with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)) as failure:
-        torch.compile(opt.step, backend="aot_eager", fullgraph=True)()
-    assert "MAX_GRADIENT_NORM" in str(failure.value) or "item" in str(failure.value)
+# The optimizers' compiled steps: tests/test_optimizer_compile.py.

@@ -26,7 +26,7 @@ import torch
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_bool, check_choice, check_float, check_int
 from tritonopt.optim._blocks import BlockLayout, zeros_with_aligned_rows
-from tritonopt.optim._packed import PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim._packed import PackedGroup, PackedOptimizer, _caller_stacklevel, bind_flat_state
 from tritonopt.optim.functional import (
     FOSI_BASES,
     FOSIHyper,
@@ -585,7 +585,7 @@ class FOSI(PackedOptimizer):
                                                       seed=self.config.seed + self.ese_count)
             except FloatingPointError as exc:
                 warnings.warn(f"FOSI: curvature estimation failed ({exc}); keeping the previous curvature",
-                              RuntimeWarning, stacklevel=3)
+                              RuntimeWarning, stacklevel=_caller_stacklevel())
                 return None
 
     def _derive_newton_scale(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -630,6 +630,7 @@ class FOSI(PackedOptimizer):
         self.last_lanczos = curvature.report
         self._bind_basis_views(packed)
 
+    @torch._dynamo.disable  # a double backward and a host read per Lanczos iteration: see _update
     @torch.no_grad()
     def update_curvature(self, loss_fn: Optional[Callable[[], torch.Tensor]] = None) -> bool:
         """Run the ESE now at the current weights; returns False if it failed (curvature kept).
@@ -702,11 +703,23 @@ class FOSI(PackedOptimizer):
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One FOSI update (an ESE first when one is due); ``closure`` re-evaluates the model and returns the loss."""
         loss = self._evaluate_closure(closure)
+        self._update()
+        return loss
+
+    # torch.compile runs this part eagerly (a graph break in a compiled step). The step is
+    # driven by host numbers: the gradient's largest entry decides whether it may happen
+    # (the non-finite policy) and whether its result must be checked for overflow, and the
+    # bounds, counters and Ritz values it keeps are Python numbers, which a traced step would
+    # bake into guards and recompile for at every step. An ESE takes a double backward, which
+    # torch.compile's autograd cannot trace.
+    @torch._dynamo.disable
+    def _update(self) -> None:
+        """The step after the closure: validate, pack, decide on the host, run the ESE when due, update."""
         # Hyperparameters a user or a scheduler set since the last step: checked before anything changes.
         settings = self._check_settings()
         params = self._trainable()
         if not self._grads_present(params):
-            return loss
+            return
         # What a refused first step must take back: the state it creates (a built packed group
         # means every parameter has state).
         stateless = [] if self._packed.get(0) is not None else self._stateless_params()
@@ -727,7 +740,7 @@ class FOSI(PackedOptimizer):
         if not math.isfinite(largest_grad):
             self.g1_velocity = velocity_before
             self._refuse_step("a gradient holds NaN or inf", stateless)
-            return loss
+            return
         if self._state_bound is None:
             self._state_bound = values[1] if len(values) > 1 else 0.0
 
@@ -765,11 +778,10 @@ class FOSI(PackedOptimizer):
                     self.g1_velocity = velocity_before
                 self._refuse_step("the update overflowed to NaN or inf (a finite but huge gradient); the step "
                                   "was undone", stateless)
-                return loss
+                return
             state_bound = largest_state
         with nvtx_range("tritonopt/fosi/unpack"):
             torch._foreach_copy_(params, packed.weight_views)
         self._state_bound, self.velocity_bound = state_bound, velocity_bound
         self.base_step += 1
         self.step_count += 1
-        return loss

@@ -254,7 +254,10 @@ def make_hvp(
     ``dtype`` (default: float64 when every parameter is float64, else float32).
 
     Scaled-dot-product attention runs its math backend here: the fused CPU and
-    GPU attention kernels have no double backward.
+    GPU attention kernels have no double backward. For the same reason
+    ``loss_fn`` runs with ``torch.compile`` set to eager (``set_stance("force_eager")``):
+    a compiled model's backward cannot be differentiated again, so the products
+    come from the model's own, uncompiled code.
 
     Raises:
         ValueError: ``loss_fn`` does not return a scalar tensor, or it does not
@@ -263,7 +266,7 @@ def make_hvp(
     params = list(params)
     if dtype is None:
         dtype = torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
-    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH), torch.compiler.set_stance("force_eager"):
         loss = loss_fn()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("the curvature loss function must return a scalar tensor")
