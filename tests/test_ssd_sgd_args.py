@@ -1,10 +1,16 @@
-"""SSDSGD rejects bad arguments with a named error before touching the process group or the parameters."""
+"""SSDSGD rejects bad arguments with a named error before touching the process group or the parameters;
+its agreement check sees every bit of its digest."""
+
+import datetime
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 from tritonopt.dist import SSDSGD
+from tritonopt.dist import ssd_sgd
 
 
 def params():
@@ -31,6 +37,9 @@ def params():
         (dict(comm="accumulate"), ValueError, "comm must be one of"),
         (dict(on_nonfinite="ignore"), ValueError, "on_nonfinite must be one of"),
         (dict(communicator=object()), TypeError, "communicator must be"),
+        (dict(timeout=0), ValueError, "timeout must be > 0"),
+        (dict(timeout="60"), TypeError, "timeout must be a float"),
+        (dict(timeout=datetime.timedelta(seconds=-1)), ValueError, "timeout must be positive"),
     ],
 )
 def test_bad_hyperparameters_are_named(kwargs, error, match):
@@ -62,3 +71,28 @@ def test_bad_groups_and_parameters_are_named():
 def test_a_process_group_is_required():
     with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
         SSDSGD(params(), lr=0.1)
+
+
+@pytest.mark.parametrize("world_size, dtype", [(2, torch.float32), (3, torch.float32), (256, torch.float32),
+                                               (2047, torch.float32), (5, torch.float64)])
+def test_the_agreement_check_sees_every_bit_of_the_digest(world_size, dtype):
+    """Summed over the ranks in the state dtype, the check tells equal 64-bit digests from any one bit flipped."""
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    checker = SimpleNamespace(world_size=world_size, _check_bits=ssd_sgd._check_digit_bits(world_size, dtype))
+
+    def values(digest):
+        out = torch.empty(SSDSGD.CHECK_ELEMENTS, dtype=state_dtype)
+        SSDSGD._write_check(checker, out, digest)
+        return out
+
+    rng = random.Random(world_size)
+    for _ in range(3):
+        digest = rng.getrandbits(ssd_sgd.DIGEST_BITS)
+        same = values(digest)
+        # (K - 1) copies of one rank's values plus another rank's: integers below 2^24, so exact.
+        assert SSDSGD._check_agrees(checker, same * world_size)
+        for bit in range(ssd_sgd.DIGEST_BITS):
+            differing = same * (world_size - 1) + values(digest ^ (1 << bit))
+            assert not SSDSGD._check_agrees(checker, differing), bit
+    # One rank above the others and one below: the digits' sums alone would agree.
+    assert not SSDSGD._check_agrees(checker, values(5) + values(3) + values(4) * (world_size - 2))

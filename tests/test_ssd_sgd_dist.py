@@ -32,6 +32,10 @@ LR_DROP = WARMUP + 2  # the schedule changes both groups' lr inside the first de
 DELAYS = (1, 3, 5)
 EXACT = 1e-12  # float64 max-abs bound on the difference from the oracle
 EARLY_STOP_TIMEOUT = 2.0  # seconds, the process-group timeout of the early-stop scenario
+OWN_TIMEOUT = 2.0  # seconds, SSDSGD's own timeout in the stall scenario (its group's is torch's 30 minutes)
+REFUSAL_GROUP_TIMEOUT = 10.0  # seconds: bounds a wait on a rank that refused, were the refusal not shared
+# An lr whose CRC-32 agreed with 0.05's on the 16 bits the agreement check once carried.
+LR_CRC16_TWIN = 0.05002274500000001
 
 
 def make_model(dtype=torch.float64, seed=0, batchnorm=False):
@@ -214,7 +218,7 @@ def resume_run(rank, group, comm, checkpoint_at, steps=14, k=3, wp1=3):
     resumed_model = make_model(seed=1)  # different initial weights: the state dict must restore them
     resumed = build(resumed_model, k, wp1, comm, group=group)
     buffer.seek(0)
-    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
     train(resumed_model, resumed, checkpoint_at, steps)
     resumed.finalize()
     return dict(straight=straight, resumed=(flat(resumed_model.parameters()), flat(resumed.global_parameters())),
@@ -338,6 +342,206 @@ def early_stop_run(rank, group):
     return result
 
 
+def batchnorm_resume_run(rank, group, k=3, wp1=2, steps=11, checkpoint_at=7):
+    """BatchNorm with sync_buffers, resumed in the usual order: load the model, build SSDSGD, load its state.
+
+    The checkpoint falls inside a window, after a forward pass since the last average: the ranks'
+    statistics differ there and are packed into the next synchronisation.
+    """
+    def build_bn(model):
+        return SSDSGD(model.parameters(), lr=0.05, delay_steps=k, warmup_steps=wp1, sync_buffers=model.buffers(),
+                      process_group=group)
+
+    def train(model, opt, first, last):
+        for t in range(first, last):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+
+    def outcome(model, opt):
+        opt.finalize()
+        return [flat(model.parameters()), flat(opt.global_parameters()), *[b.clone() for b in model.buffers()]]
+
+    model = make_model(batchnorm=True)
+    opt = build_bn(model)
+    train(model, opt, 0, steps)
+    straight = outcome(model, opt)
+
+    model = make_model(batchnorm=True)
+    opt = build_bn(model)
+    train(model, opt, 0, checkpoint_at)
+    buffer = io.BytesIO()
+    torch.save(dict(model=model.state_dict(), opt=opt.state_dict()), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed_model = make_model(seed=1, batchnorm=True)
+    resumed_model.load_state_dict(saved["model"])
+    resumed = build_bn(resumed_model)  # broadcasts rank 0's parameters and buffers
+    resumed.load_state_dict(saved["opt"])
+    train(resumed_model, resumed, checkpoint_at, steps)
+    return dict(straight=straight, resumed=outcome(resumed_model, resumed),
+                checkpoint_mean=saved["model"]["1.running_mean"])
+
+
+def finalize_run(rank, group, comm, call_finalize, k=3, wp1=3, steps=11, bad_step=4):
+    """A NaN gradient on rank 1 inside a delay window; ``call_finalize``: finalize() after every later step."""
+    model = make_model()
+    opt = build(model, k, wp1, comm, group=group)
+    log = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(steps):
+            for g, base in zip(opt.param_groups, (GROUP0["lr"], opt.param_groups[1]["initial"])):
+                g["lr"] = lr_at(t, base)
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            if t == bad_step and rank == 1:
+                model[0].weight.grad[0, 0] = float("nan")
+            opt.step()
+            log.append((flat(model.parameters()), opt.steps, opt.skipped_steps))
+            if call_finalize and t >= bad_step:  # mid-window, and where a window's sync is in flight
+                opt.finalize()
+        opt.finalize()
+    return dict(log=log, global_=flat(opt.global_parameters()))
+
+
+def batchnorm_finalize_run(rank, group, call_finalize, k=2, wp1=2, steps=7):
+    """sync_buffers averaged by finalize() (for evaluation) and again by the next step, after its forward pass."""
+    model = make_model(batchnorm=True)
+    opt = SSDSGD(model.parameters(), lr=0.05, delay_steps=k, warmup_steps=wp1, sync_buffers=model.buffers(),
+                 process_group=group)
+    for t in range(steps):
+        opt.zero_grad()
+        loss_of(model, *batch(rank, t)).backward()
+        opt.step()
+        if call_finalize:
+            opt.finalize()
+    return [flat(model.parameters()), *[b.clone() for b in model.buffers()]]
+
+
+def digest_runs(rank, group):
+    """Rank 1's lr drifts to LR_CRC16_TWIN: in the warm-up, and in a delay window of each comm mode."""
+    out = {}
+    for name, comm, warmup, drift_at in (("warmup", "shadow", 4, 1), ("shadow", "shadow", 1, 2),
+                                         ("per_step", "per_step", 1, 2)):
+        model = make_model()
+        opt = SSDSGD(model.parameters(), lr=0.05, delay_steps=2, warmup_steps=warmup, comm=comm,
+                     process_group=group)
+        errors = []
+        for t in range(6):
+            if t == drift_at and rank == 1:
+                opt.param_groups[0]["lr"] = LR_CRC16_TWIN
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            errors.append(capture(opt.step))
+        out[name] = errors
+    return out
+
+
+def refusal_runs(rank, group):
+    """A rank that refuses its own arguments or state dict: every rank raises at once."""
+    out = {}
+    start = time.monotonic()
+    out["lr"] = capture(lambda: SSDSGD(make_model().parameters(), lr=-1.0 if rank == 1 else 0.05,
+                                       process_group=group))
+    out["lr_seconds"] = time.monotonic() - start
+    try:  # were the refusal not shared, the ranks' collectives would pair up wrongly from here on
+        model = make_model()
+        opt = SSDSGD(model.parameters(), lr=0.05, delay_steps=2, warmup_steps=1, process_group=group)
+        for t in range(3):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+        shared = [opt.state_dict()]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+        before = flat(model.parameters())
+        start = time.monotonic()
+        out["foreign_state"] = capture(lambda: opt.load_state_dict(shared[0]))  # rank 1 loads rank 0's
+        out["foreign_state_seconds"] = time.monotonic() - start
+        out["unchanged"] = torch.equal(before, flat(model.parameters())) and opt.steps == 3
+        # Both ranks go on in step: no collective was left half-joined.
+        opt.zero_grad()
+        loss_of(model, *batch(rank, 3)).backward()
+        out["next_step"] = capture(opt.step)
+    except Exception as error:  # noqa: BLE001 - the test reports what is missing
+        out["aftermath"] = (type(error).__name__, str(error))
+    return out
+
+
+def own_timeout_run(rank, group):
+    """SSDSGD with timeout=OWN_TIMEOUT on a group of torch's default timeout; rank 1 stops after 4 steps."""
+    model = make_model()
+    built = []
+    error = capture(lambda: built.append(SSDSGD(model.parameters(), lr=0.05, delay_steps=2, warmup_steps=2,
+                                                process_group=group, timeout=OWN_TIMEOUT)))
+    if error is not None:
+        return dict(construction=error)
+    opt = built[0]
+    result = None
+    for t in range(8 if rank == 0 else 4):
+        opt.zero_grad()
+        loss_of(model, *batch(rank, t)).backward()
+        start = time.monotonic()
+        error = capture(opt.step)
+        if error is not None:
+            result = (t, error, time.monotonic() - start)
+            break
+    dist.barrier(group=group)  # rank 1 stalls here, on another group, while rank 0 waits out the timeout
+    return dict(construction=None, failure=result, timeout=opt.timeout.total_seconds())
+
+
+def bad_state_runs(rank, group):
+    """Corrupted state dicts (the same on both ranks): each refused with the field named, nothing modified."""
+    model = make_model(dtype=torch.float32)
+    opt = SSDSGD(model.parameters(), lr=0.05, delay_steps=2, warmup_steps=1, process_group=group)
+    for t in range(4):
+        opt.zero_grad()
+        loss_of(model, *batch(rank, t, torch.float32)).backward()
+        opt.step()
+    good = opt.state_dict()
+
+    def corrupted(change):
+        state = copy.deepcopy(good)
+        change(state)
+        return state
+
+    def set_field(name, value):
+        return lambda s: s["ssd_sgd"].__setitem__(name, value)
+
+    def as_float64(s):
+        for entry in s["state"].values():
+            for name in entry:
+                entry[name] = entry[name].double()
+        s["ssd_sgd"]["trailer"] = s["ssd_sgd"]["trailer"].double()
+
+    wide = SSDSGD(make_model().parameters(), lr=0.05, delay_steps=2, warmup_steps=1, process_group=group)
+    cases = {
+        "steps": set_field("steps", -5),
+        "sync_state": set_field("sync_state", "bogus"),
+        "window_start": set_field("window_start", 1e9),
+        "window_start_int": set_field("window_start", 10**9),
+        "verdict": set_field("verdict", "bogus"),
+        "sync_scale": set_field("sync_scale", 0.3),
+        "delay_ready": set_field("delay_ready", 1),
+        "window_digest": set_field("window_digest", -1),
+        "trailer": set_field("trailer", torch.zeros(3)),
+        "sync_buffers": set_field("sync_buffers", [torch.zeros(2)]),
+        "missing_field": lambda s: s["ssd_sgd"].pop("pull_due"),
+        "missing_skipped": lambda s: s.pop("skipped_steps"),
+        "missing_entry": lambda s: s["state"][0].pop("pre_weight"),
+        "lr": lambda s: s["param_groups"][0].__setitem__("lr", -1.0),
+        "float64_state": as_float64,
+        "float64_checkpoint": lambda s: s.update(wide.state_dict()),
+    }
+    params_before = flat(model.parameters())
+    state_before = {name: t.clone() for name, t in opt.state[model[0].weight].items()}
+    out = {name: capture(lambda: opt.load_state_dict(corrupted(change))) for name, change in cases.items()}
+    out["unchanged"] = (torch.equal(params_before, flat(model.parameters())) and opt.steps == 4
+                        and all(torch.equal(t, opt.state[model[0].weight][n]) for n, t in state_before.items()))
+    out["good"] = capture(lambda: opt.load_state_dict(good))
+    return out
+
+
 def exactness_runs(rank, group):
     out = {}
     for k in DELAYS:
@@ -347,7 +551,7 @@ def exactness_runs(rank, group):
     return out
 
 
-def pair_scenarios(rank, group, short_timeout_group):
+def pair_scenarios(rank, group, short_timeout_group, refusal_group):
     return {
         "exact": exactness_runs(rank, group),
         "warmup_only": warmup_only_run(rank, group),
@@ -367,7 +571,15 @@ def pair_scenarios(rank, group, short_timeout_group):
         },
         "mismatch": mismatch_runs(rank, group),
         "copy_and_memory": copy_and_memory_run(rank, group),
-        "early_stop": early_stop_run(rank, short_timeout_group),  # last: it breaks that group
+        "batchnorm_resume": batchnorm_resume_run(rank, group),
+        "finalize": {(comm, call): finalize_run(rank, group, comm, call)
+                     for comm in ("shadow", "per_step") for call in (False, True)},
+        "batchnorm_finalize": {call: batchnorm_finalize_run(rank, group, call) for call in (False, True)},
+        "digest": digest_runs(rank, group),
+        "bad_state": bad_state_runs(rank, group),
+        "refusal": refusal_runs(rank, refusal_group),
+        "early_stop": early_stop_run(rank, short_timeout_group),  # it breaks that group
+        "own_timeout": own_timeout_run(rank, group),  # last: it breaks SSDSGD's own group
     }
 
 
@@ -375,8 +587,9 @@ def scenarios(rank, world):
     # Every rank creates every group, in the same order.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     short = [dist.new_group(r, timeout=datetime.timedelta(seconds=EARLY_STOP_TIMEOUT)) for r in ([0, 1], [2, 3])]
+    refusal = [dist.new_group(r, timeout=datetime.timedelta(seconds=REFUSAL_GROUP_TIMEOUT)) for r in ([0, 1], [2, 3])]
     world_results = exactness_runs(rank, None)
-    pair_results = pair_scenarios(rank % 2, pairs[rank // 2], short[rank // 2])
+    pair_results = pair_scenarios(rank % 2, pairs[rank // 2], short[rank // 2], refusal[rank // 2])
     return dict(world=world_results, pair=pair_results)
 
 
@@ -610,3 +823,80 @@ def test_copies_are_refused_and_state_bytes_counts_every_buffer(two_ranks):
         # agreement check's values), and the shadow server [sw; smom] with them: 5d + 2 * CHECK_ELEMENTS.
         d = out["numel"]
         assert out["state_bytes"] == 8 * (5 * d + 2 * SSDSGD.CHECK_ELEMENTS)
+
+
+# --------------------------------------------------------------------------- resuming, finalize, agreement
+
+
+def test_resumed_run_with_sync_buffers_equals_uninterrupted_bit_for_bit(two_ranks):
+    runs = [two_ranks[r]["batchnorm_resume"] for r in range(2)]
+    # At the checkpoint the ranks' statistics differ: rank 1's must not be replaced by rank 0's.
+    assert not torch.equal(runs[0]["checkpoint_mean"], runs[1]["checkpoint_mean"])
+    for rank, run in enumerate(runs):
+        assert len(run["straight"]) == len(run["resumed"]) == 2 + 3  # weights, globals, three BatchNorm buffers
+        for straight, resumed in zip(run["straight"], run["resumed"]):
+            assert torch.equal(straight, resumed), rank
+
+
+@pytest.mark.parametrize("comm", ["shadow", "per_step"])
+def test_finalize_after_a_nonfinite_gradient_leaves_training_unchanged(two_ranks, comm):
+    for rank in range(2):
+        without, with_finalize = (two_ranks[rank]["finalize"][(comm, call)] for call in (False, True))
+        assert without["log"][-1][2] == 3  # the bad window (3 steps) was skipped
+        for t, (a, b) in enumerate(zip(without["log"], with_finalize["log"])):
+            assert torch.equal(a[0], b[0]) and a[1:] == b[1:], (rank, t)
+        assert torch.equal(without["global_"], with_finalize["global_"])
+
+
+def test_finalize_with_sync_buffers_leaves_training_unchanged(two_ranks):
+    for rank in range(2):
+        runs = two_ranks[rank]["batchnorm_finalize"]
+        assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True])), rank
+
+
+@pytest.mark.parametrize("case", ["warmup", "shadow", "per_step"])
+def test_an_lr_that_agreed_on_16_crc_bits_is_caught(two_ranks, case):
+    for rank in range(2):
+        errors = [e for e in two_ranks[rank]["digest"][case] if e is not None]
+        assert errors, (rank, case)
+        assert errors[0][0] == "ValueError" and "differed" in errors[0][1]
+
+
+def test_a_rank_that_refuses_its_own_arguments_makes_every_rank_raise_at_once(two_ranks):
+    for rank in range(2):
+        out = two_ranks[rank]["refusal"]
+        assert "aftermath" not in out, out["aftermath"]
+        for what in ("lr", "foreign_state"):
+            kind, message = out[what]
+            assert kind == "ValueError", (rank, what, message)
+            assert out[f"{what}_seconds"] < 5.0, (rank, what)  # not the group's 10 s timeout
+            if rank == 0:
+                assert "rank 1" in message
+        assert out["unchanged"] and out["next_step"] is None
+    assert "lr" in two_ranks[0]["refusal"]["lr"][1] and "lr must be >= 0" in two_ranks[1]["refusal"]["lr"][1]
+    assert "rank=0" in two_ranks[0]["refusal"]["foreign_state"][1]  # rank 1's reason, shared
+
+
+@pytest.mark.parametrize("case, field", [
+    ("steps", "steps"), ("sync_state", "sync_state"), ("window_start", "window_start"),
+    ("window_start_int", "window_start"), ("verdict", "verdict"), ("sync_scale", "sync_scale"),
+    ("delay_ready", "delay_ready"), ("window_digest", "window_digest"), ("trailer", "trailer"),
+    ("sync_buffers", "sync_buffers"), ("missing_field", "pull_due"), ("missing_skipped", "skipped_steps"),
+    ("missing_entry", "pre_weight"), ("lr", "lr"), ("float64_state", "torch.float64"),
+    ("float64_checkpoint", "layout"),
+])
+def test_a_bad_state_dict_is_refused_naming_the_field(two_ranks, case, field):
+    for rank in range(2):
+        out = two_ranks[rank]["bad_state"]
+        kind, message = out[case]
+        assert kind == "ValueError" and field in message, (rank, case, message)
+        assert out["unchanged"] and out["good"] is None
+
+
+def test_ssdsgd_raises_within_its_own_timeout_when_a_rank_stalls(two_ranks):
+    out = two_ranks[0]["own_timeout"]
+    assert out["construction"] is None and out["timeout"] == OWN_TIMEOUT
+    t, (kind, message), waited = out["failure"]
+    assert kind == "CollectiveFailure" and "'shadow_sync_allreduce'" in message
+    assert t >= 4 and waited < OWN_TIMEOUT + 10.0  # its group's own timeout is 30 minutes
+    assert two_ranks[1]["own_timeout"]["failure"] is None

@@ -45,7 +45,12 @@ Collectives (through :class:`~tritonopt.dist.CountingCommunicator`;
 ``s`` bytes per element of the state dtype: 4, or 8 for float64 parameters;
 ``b`` the elements of ``sync_buffers``; every all-reduce carries
 ``CHECK_ELEMENTS = 8`` more values that let all ranks verify, together, that
-they used the same step count and hyperparameters):
+they used the same step count and hyperparameters: a 64-bit BLAKE2b digest of
+them as five digits of ``B`` bits and three ``B``-bit limbs of the digits'
+squared norm, ``B = min(16, M - bits(K))`` with ``M`` = 24 (float32) or 53
+(float64) mantissa bits, so that every sum is exact; the ranks agree iff
+``|sum v|^2 = K sum |v|^2``. All 64 bits are compared on up to 2047 ranks in
+float32):
 
 ============================  =====================  ===================================
 label                         when                   size
@@ -81,12 +86,17 @@ weights. ``"skip"`` warns and adds the window's steps to ``skipped_steps``;
 ``"raise"`` raises ``FloatingPointError`` at that point. A rank whose step
 count or hyperparameters (learning-rate schedule included) differ from the
 others' makes every rank raise ``ValueError`` at the next synchronisation
-(the window is discarded first).
+(the window is discarded first). :meth:`SSDSGD.finalize` acts on neither: the
+next step does, so training is the same with or without it.
 
 A rank that stops early: the others raise
 :class:`~tritonopt.dist.CollectiveFailure` (a ``RuntimeError``) from their next
-wait, naming the collective and the ranks, after at most the process group's
-timeout (a dead peer usually sooner).
+wait, naming the collective and the ranks, after at most ``timeout`` (SSDSGD
+then runs on its own copy of the group, created with it; default: the process
+group's timeout; a dead peer is usually noticed sooner). A rank that refuses
+its own arguments (construction) or state dict (``load_state_dict``) still
+joins the agreement check, so every rank raises that error at once, the
+others naming the rank.
 
 BatchNorm and other buffers are local (like MXNet's auxiliary states);
 ``sync_buffers=model.buffers()`` averages the floating-point ones at each
@@ -98,21 +108,26 @@ applies momentum and weight decay to it, as a parameter server updates every
 key); leave frozen parameters out of the optimizer.
 
 Checkpoints are per rank: ``state_dict`` flushes an in-flight synchronisation
-first, and holds the counters, ``pre``, the server state and the rank's local
-weights; ``load_state_dict`` restores all of them (the parameters included),
-on the same rank of the same world size, and checks with the agreement check that
-the ranks' global state agrees. ``copy.deepcopy`` and ``pickle`` are refused (a
+first, and holds the counters, ``pre``, the server state, the rank's local
+weights and its ``sync_buffers``, with what it was saved for (rank, world size,
+settings, each parameter's shape and dtype in order); ``load_state_dict``
+restores all of them (the parameters and buffers included, over what
+construction broadcast from rank 0), on the same rank of the same world size,
+after checking every field's type and range and every tensor's shape and dtype
+(nothing is cast), and checks with the agreement check that the ranks' global
+state agrees. ``copy.deepcopy`` and ``pickle`` are refused (a
 process group cannot be copied).
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
 import hashlib
+import math
 import struct
 import warnings
-import zlib
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -120,28 +135,109 @@ import torch.distributed as dist
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_choice, check_float, check_int
 from tritonopt.dist._agreement import check_ranks_agree
-from tritonopt.dist._collective_guard import GuardedCommunicator, resolve_timeout
+from tritonopt.dist._collective_guard import GuardedCommunicator, resolve_timeout, timed_group
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.ops import ssd_sgd_step
-from tritonopt.optim import BlockLayout, CheckpointSpec, PackedGroup, PackedOptimizer
+from tritonopt.optim import BlockLayout, PackedGroup, PackedOptimizer
 from tritonopt.optim.functional import server_momentum_sgd, ssd_sgd_step_scalars
 
 __all__ = ["SSDSGD", "COMM_MODES", "CHECK_ELEMENTS"]
 
 COMM_MODES = ("shadow", "per_step")
 CHECK_ELEMENTS = 8
+# The agreement check: a 64-bit digest of the step counts and hyperparameters as CHECK_DIGITS digits,
+# and the CHECK_ELEMENTS - CHECK_DIGITS limbs of their squared norm (see _write_check).
+CHECK_DIGITS = 5
+DIGEST_BITS = 64
 _GROUP_KEYS = ("lr", "momentum", "weight_decay", "local_lr_mult", "local_weight_decay",
                "glu_alpha", "glu_beta")
 _STATE_NAMES = ("pre_weight", "shadow_weight", "shadow_momentum", "sync_momentum")
 # What a checkpoint holds per parameter: the state above and the rank's local weight.
-_CHECKPOINT = CheckpointSpec(per_param=frozenset(_STATE_NAMES + ("local_weight",)),
-                             like_param=frozenset(_STATE_NAMES + ("local_weight",)))
+_ENTRY_NAMES = frozenset(_STATE_NAMES + ("local_weight",))
+# Entries that must be finite; the shadow may hold a bad window's NaN until its synchronisation.
+_FINITE_ENTRIES = ("pre_weight", "sync_momentum", "local_weight")
+# The checkpoint's "ssd_sgd" entry: what it must hold, no more.
+_SAVED_FIELDS = frozenset((
+    "rank", "world_size", "comm", "delay_steps", "warmup_steps", "layout", "steps", "delay_ready",
+    "window_start", "window_digest", "sync_state", "sync_scale", "verdict", "resolved", "pull_due", "trailer",
+    "sync_buffers",
+))
+_VERDICTS = (None, "nonfinite", "mismatch")
 _ALGO = "tritonopt/ssd_sgd"
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
     data = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _setup_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where the agreement check's small tensors live: NCCL needs the current CUDA device, gloo the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_digit_bits(world_size: int, param_dtype: torch.dtype) -> int:
+    """Bits per value of the agreement check: the sum over ``world_size`` ranks must stay exact in the state dtype.
+
+    16 bits (float32, up to 256 ranks) carry the 64-bit digest in four digits;
+    at least 13 (up to 2047 ranks in float32) still carry all of it in five.
+    """
+    mantissa = 53 if param_dtype == torch.float64 else 24
+    bits = min(16, mantissa - world_size.bit_length())
+    if bits < 3:  # the squared norm would not fit its limbs
+        raise ValueError(f"SSDSGD's agreement check cannot be exact on {world_size} ranks in this dtype")
+    return bits
+
+
+def _layout(groups: Sequence[dict]) -> list[list[tuple]]:
+    """Each group's parameters as (shape, dtype) pairs, in order: what a checkpoint was saved for."""
+    return [[(tuple(p.shape), p.dtype) for p in group["params"]] for group in groups]
+
+
+# --------------------------------------------------------------------------- checkpoint fields
+
+
+def _saved_int(extra: dict, name: str, low: int, high: Optional[int] = None) -> int:
+    value = extra[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"ssd_sgd[{name!r}] must be an int {bound}, got {value!r}")
+    return value
+
+
+def _saved_bool(extra: dict, name: str) -> bool:
+    value = extra[name]
+    if not isinstance(value, bool):
+        raise ValueError(f"ssd_sgd[{name!r}] must be a bool, got {value!r}")
+    return value
+
+
+def _saved_choice(extra: dict, name: str, choices: Sequence):
+    value = extra[name]
+    if not (value is None or isinstance(value, str)) or value not in choices:
+        raise ValueError(f"ssd_sgd[{name!r}] must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _saved_layout(saved) -> Optional[list[list[tuple]]]:
+    """A saved ``layout`` in the form :func:`_layout` gives, or None if it is not one."""
+    try:
+        return [[(tuple(shape), dtype) for shape, dtype in group] for group in saved]
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_saved_tensor(name: str, value, shape: tuple, dtype: torch.dtype, *, finite: bool = False) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+    if value.dtype != dtype:
+        raise ValueError(f"{name} is {value.dtype}, expected {dtype} (a checkpoint is not cast)")
+    if finite and not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{name} holds NaN or inf")
 
 
 # --------------------------------------------------------------------------- flat parameters
@@ -221,9 +317,16 @@ class SSDSGD(PackedOptimizer):
         communicator: a :class:`~tritonopt.dist.CountingCommunicator` to issue the
             collectives through (None: one is made for ``process_group``); ``comm``
             holds it, with its counters.
+        timeout: seconds or a ``datetime.timedelta``. SSDSGD then runs on its own copy
+            of ``process_group`` created with this timeout (after the agreement check,
+            which runs on ``process_group``), so a rank that dies or stalls makes the
+            others raise :class:`~tritonopt.dist.CollectiveFailure` within it; None
+            (default): ``process_group`` and its own timeout.
 
     Pass each rank its own local gradients (no DDP). Construction issues the
     agreement check (two small all-gathers) and the broadcast of rank 0's parameters.
+    A rank whose own arguments are refused still joins the agreement check, so every
+    rank raises that error (the others name the rank) at once.
     """
 
     CHECK_ELEMENTS = CHECK_ELEMENTS  # values appended to every all-reduce (see the module docstring)
@@ -246,39 +349,60 @@ class SSDSGD(PackedOptimizer):
         on_nonfinite: str = "skip",
         sync_buffers: Iterable[torch.Tensor] = (),
         communicator: Optional[CountingCommunicator] = None,
+        timeout: Union[None, float, datetime.timedelta] = None,
     ):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         local_lr_mult=local_lr_mult, local_weight_decay=local_weight_decay,
                         glu_alpha=glu_alpha, glu_beta=glu_beta)
-        check_int("delay_steps", delay_steps, low=1)
-        check_int("warmup_steps", warmup_steps, low=0)
-        check_choice("comm", comm, COMM_MODES)
-        if communicator is not None and not isinstance(communicator, CountingCommunicator):
-            raise TypeError("communicator must be a tritonopt.dist.CountingCommunicator")
-        self.delay_steps = delay_steps
-        self.warmup_steps = warmup_steps
-        self.comm_mode = comm
-        self._building = True
-        super().__init__(params, defaults, on_nonfinite)
-        self._building = False
-        self._check_parameters()
-        buffers = self._check_sync_buffers(sync_buffers)
-        if buffers and comm != "shadow":
-            raise ValueError("sync_buffers are averaged with the shadow synchronisation: use comm='shadow'")
+        # This rank's own checks; a refusal is shared with the other ranks at the agreement check below.
+        problem: Optional[Exception] = None
+        buffers: list[torch.Tensor] = []
+        try:
+            check_int("delay_steps", delay_steps, low=1)
+            check_int("warmup_steps", warmup_steps, low=0)
+            check_choice("comm", comm, COMM_MODES)
+            if communicator is not None and not isinstance(communicator, CountingCommunicator):
+                raise TypeError("communicator must be a tritonopt.dist.CountingCommunicator")
+            own_timeout = None if timeout is None else resolve_timeout(timeout)
+            self.delay_steps = delay_steps
+            self.warmup_steps = warmup_steps
+            self.comm_mode = comm
+            self._building = True
+            try:
+                super().__init__(params, defaults, on_nonfinite)
+            finally:
+                self._building = False
+            self._check_parameters()
+            buffers = self._check_sync_buffers(sync_buffers)
+            if buffers and comm != "shadow":
+                raise ValueError("sync_buffers are averaged with the shadow synchronisation: use comm='shadow'")
+        except (TypeError, ValueError) as exc:
+            problem = exc
 
         if not dist.is_available() or not dist.is_initialized():
+            if problem is not None:
+                raise problem
             raise RuntimeError("SSDSGD needs an initialised torch.distributed process group")
-        self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         if self.rank < 0:
             raise ValueError("this process is not a member of process_group")
-        self.comm = CountingCommunicator(process_group) if communicator is None else communicator
-        self._collectives = GuardedCommunicator(self.comm, layer="SSDSGD",
-                                                timeout=resolve_timeout(None, process_group))
-        device = self.param_groups[0]["params"][0].device
-        check_ranks_agree("SSDSGD", self._settings(buffers), comm=self._collectives, group=process_group,
-                          device=device)
+        self.comm = communicator if isinstance(communicator, CountingCommunicator) else CountingCommunicator(
+            process_group)
+        check_ranks_agree(
+            "SSDSGD", None if problem is not None else self._settings(buffers, own_timeout),
+            comm=GuardedCommunicator(self.comm, layer="SSDSGD", timeout=resolve_timeout(None, process_group)),
+            group=process_group, device=_setup_device(process_group), problem=problem,
+        )
+        # Every rank agreed on the timeout, so every member creates the timed group (or none does).
+        self._requested_timeout = own_timeout
+        self.timeout = own_timeout if own_timeout is not None else resolve_timeout(None, process_group)
+        if own_timeout is not None:
+            members = dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD)
+            process_group = timed_group(members, own_timeout, layer="SSDSGD", local=True)
+        self.process_group = process_group
+        self._collectives = GuardedCommunicator(self.comm, layer="SSDSGD", timeout=self.timeout)
+        self._check_bits = _check_digit_bits(self.world_size, self.param_groups[0]["params"][0].dtype)
 
         with torch.no_grad():
             self._flat = _FlatParameters(self.param_groups)
@@ -294,7 +418,7 @@ class SSDSGD(PackedOptimizer):
         self._steps = 0  # iterations applied (discarded windows are not counted)
         self._delay_ready = False  # pre / server state initialised for the delay stage
         self._window_start = warmup_steps  # step count at the last consumed synchronisation
-        self._window_crc = 0
+        self._window_digest = 0  # of the steps since the last launched synchronisation (shadow)
         self._sync_state = "none"  # shadow: "none" | "in_flight" | "ready"
         self._work = None
         self._sync_scale = 1.0
@@ -355,7 +479,7 @@ class SSDSGD(PackedOptimizer):
                 chosen.append(b)
         return chosen
 
-    def _settings(self, buffers) -> dict[str, object]:
+    def _settings(self, buffers, timeout: Optional[datetime.timedelta]) -> dict[str, object]:
         """What every rank must hold alike (the agreement check)."""
         groups = self.param_groups
         return {
@@ -368,6 +492,7 @@ class SSDSGD(PackedOptimizer):
             "comm": self.comm_mode,
             "on_nonfinite": self.on_nonfinite,
             "the sync_buffers' shapes": [(tuple(b.shape), str(b.dtype)) for b in buffers],
+            "timeout": None if timeout is None else timeout.total_seconds(),
         }
 
     def _allocate_state(self) -> None:
@@ -413,16 +538,22 @@ class SSDSGD(PackedOptimizer):
         return self._steps < self.warmup_steps
 
     def finalize(self) -> None:
-        """Wait for an in-flight synchronisation (and act on its verdict); call before evaluating."""
+        """Wait for an in-flight synchronisation; call before evaluating.
+
+        The ``sync_buffers`` take the synchronised averages, and
+        :meth:`global_parameters` returns the global weights (the last good ones
+        if the window was bad). Training afterwards is what it would have been
+        without the call: the parameters are left alone, a bad window is
+        discarded whole by the next step, as it would have been, and that step
+        sets the buffers to the averages again, after its forward pass.
+        """
         if self.comm_mode == "shadow":
             if self._sync_state == "in_flight":
                 self._complete_sync()
-            if self._sync_state == "ready":
-                self._resolve()
+            if self._sync_state == "ready" and self._verdict is None and not self._resolved and self._sync_buffers:
+                self._unpack_buffers(self._trailer_buffers, scale=self._sync_scale)
         else:
             self._drain()
-            if self._verdict is not None:
-                self._resolve()
 
     def global_parameters(self) -> list[torch.Tensor]:
         """Copies of the global (server) weights as of the last completed synchronisation.
@@ -484,19 +615,21 @@ class SSDSGD(PackedOptimizer):
                                             delay_steps=self.delay_steps))
         return out
 
-    def _step_crc(self, scalars: list[dict], crc: int = 0) -> int:
-        data = struct.pack("<q", self._steps)
+    def _step_digest(self, scalars: list[dict], previous: int = 0) -> int:
+        """A 64-bit digest of this step's count and scalars, chained onto ``previous`` (a window's steps)."""
+        data = previous.to_bytes(8, "little") + struct.pack("<q", self._steps)
         for s in scalars:
             data += struct.pack("<7d", s["lr"], s["momentum"], s["weight_decay"], s["local_lr"],
                                 s["local_weight_decay"], s["glu_alpha"], s["glu_beta"])
-        return zlib.crc32(data, crc)
+        return int.from_bytes(hashlib.blake2b(data, digest_size=DIGEST_BITS // 8).digest(), "little")
 
     # ------------------------------------------------------------------ warm-up (SSGD)
 
     def _warmup_step(self, scalars: list[dict]) -> None:
         d = self._flat.numel
-        self._write_check(self._grad[d:], self._step_crc(scalars))
-        self._collectives.all_reduce(self._grad, label="warmup_grad_allreduce", async_op=True).wait()
+        self._write_check(self._grad[d:], self._step_digest(scalars))
+        self._collectives.all_reduce(self._grad, label="warmup_grad_allreduce", group=self.process_group,
+                                     async_op=True).wait()
         if not self._check_agrees(self._grad[d:]):
             raise ValueError(self._mismatch_message(self._steps, self._steps + 1, discarded=False))
         mean = self._grad[:d].div_(self.world_size)
@@ -546,7 +679,7 @@ class SSDSGD(PackedOptimizer):
                     pulled=pulled, shadow_scale=scale, **s,
                 )
         self._sync_state = "none"
-        self._window_crc = self._step_crc(scalars, self._window_crc)
+        self._window_digest = self._step_digest(scalars, self._window_digest)
         self._steps += 1
         if (self._steps - self.warmup_steps) % self.delay_steps == 0:
             self._launch_sync()
@@ -556,9 +689,10 @@ class SSDSGD(PackedOptimizer):
             if self._sync_buffers:
                 self._trailer_buffers.copy_(torch.cat([b.reshape(-1).to(self._state_dtype)
                                                        for b in self._sync_buffers]))
-            self._write_check(self._trailer_check, self._window_crc)
-            self._work = self._collectives.all_reduce(self._sync, label="shadow_sync_allreduce", async_op=True)
-        self._window_crc = 0
+            self._write_check(self._trailer_check, self._window_digest)
+            self._work = self._collectives.all_reduce(self._sync, label="shadow_sync_allreduce",
+                                                      group=self.process_group, async_op=True)
+        self._window_digest = 0
         self._sync_state = "in_flight"
 
     def _complete_sync(self) -> None:
@@ -599,25 +733,33 @@ class SSDSGD(PackedOptimizer):
         send = self._grad.clone()
         if int(torch.stack(bad).sum()):  # a local overflow: make every rank see it in the mean
             send[0] = float("nan")
-        self._write_check(send[d:], self._step_crc(scalars))
-        work = self._collectives.all_reduce(send, label="per_step_grad_allreduce", async_op=True)
+        self._write_check(send[d:], self._step_digest(scalars))
+        work = self._collectives.all_reduce(send, label="per_step_grad_allreduce", group=self.process_group,
+                                            async_op=True)
         self._pending.append((send, work, scalars, self._steps))
         self._steps += 1
         if (self._steps - self.warmup_steps) % self.delay_steps == 0:
             self._pull_due = True
 
     def _drain(self) -> None:
-        """Wait for every pending gradient all-reduce and apply them, in order, to the replica."""
+        """Wait for every pending gradient all-reduce and apply them, in order, to the replica.
+
+        The verdict is the same however the window's all-reduces are split among
+        calls (``finalize`` drains mid-window): a mismatch anywhere in the window
+        wins over a non-finite state.
+        """
         d = self._flat.numel
         applied = False
         with nvtx_range(f"{_ALGO}/server_replica"):
             while self._pending:
                 send, work, scalars, step = self._pending.popleft()
                 work.wait()
-                if self._verdict is not None:
+                if self._verdict == "mismatch":
                     continue
                 if not self._check_agrees(send[d:]):
                     self._verdict = "mismatch"
+                    continue
+                if self._verdict is not None:  # non-finite already: the window will be discarded
                     continue
                 mean = send[:d].div_(self.world_size)
                 # The server rule in place: the replica needs no trial copy (a non-finite state is caught below).
@@ -681,14 +823,27 @@ class SSDSGD(PackedOptimizer):
 
     # ------------------------------------------------------------------ helpers
 
-    def _write_check(self, out: torch.Tensor, crc: int) -> None:
-        """Four 4-bit digits of the CRC and their squares: after the sum, ranks agree iff K sum(x^2) = (sum x)^2."""
-        digits = [(crc >> (4 * i)) & 15 for i in range(4)]
-        out.copy_(torch.tensor(digits + [x * x for x in digits], dtype=out.dtype))
+    def _write_check(self, out: torch.Tensor, digest: int) -> None:
+        """The digest as a vector v of CHECK_DIGITS digits, then the limbs of |v|^2, all of ``_check_bits`` bits.
+
+        After the all-reduce's sum over K ranks, ``|sum v|^2 = K sum |v|^2`` holds
+        iff every rank's v is the same (Cauchy-Schwarz); every sum is an integer
+        below 2^24 (2^53 in float64), so exact in any order of summation.
+        """
+        bits = self._check_bits
+        mask = (1 << bits) - 1
+        digits = [(digest >> (bits * i)) & mask for i in range(CHECK_DIGITS)]
+        norm = sum(x * x for x in digits)
+        limbs = [(norm >> (bits * i)) & mask for i in range(CHECK_ELEMENTS - CHECK_DIGITS)]
+        out.copy_(torch.tensor(digits + limbs, dtype=out.dtype))
 
     def _check_agrees(self, summed: torch.Tensor) -> bool:
         values = summed.tolist()
-        return all(self.world_size * sq == s * s for s, sq in zip(values[:4], values[4:]))
+        if not all(math.isfinite(v) and v == int(v) for v in values):
+            return False
+        digits, limbs = [int(v) for v in values[:CHECK_DIGITS]], [int(v) for v in values[CHECK_DIGITS:]]
+        norms = sum(limb << (self._check_bits * i) for i, limb in enumerate(limbs))
+        return sum(s * s for s in digits) == self.world_size * norms
 
     def _unpack_buffers(self, flat: torch.Tensor, *, scale: float) -> None:
         start = 0
@@ -707,7 +862,15 @@ class SSDSGD(PackedOptimizer):
             self._drain()
 
     def state_dict(self) -> dict:
-        """Per-rank state: flushes an in-flight synchronisation first (it stays to be consumed)."""
+        """Per-rank state: flushes an in-flight synchronisation first (it stays to be consumed).
+
+        Besides torch's ``state`` and ``param_groups`` and ``skipped_steps``, the
+        ``"ssd_sgd"`` entry names what it was saved for (this rank, the world size,
+        the settings, and each parameter's shape and dtype in order) and holds the
+        counters, the synchronisation's trailer and this rank's ``sync_buffers``.
+        It holds only tensors, numbers, strings, dtypes and lists of them, so
+        ``torch.load(..., weights_only=True)`` reads it back.
+        """
         self._flush()
         state = super().state_dict()
         params = self._flat.params
@@ -717,90 +880,209 @@ class SSDSGD(PackedOptimizer):
         }
         state["ssd_sgd"] = dict(
             rank=self.rank, world_size=self.world_size, comm=self.comm_mode,
-            delay_steps=self.delay_steps, warmup_steps=self.warmup_steps,
+            delay_steps=self.delay_steps, warmup_steps=self.warmup_steps, layout=_layout(self.param_groups),
             steps=self._steps, delay_ready=self._delay_ready,
-            window_start=self._window_start, window_crc=self._window_crc,
+            window_start=self._window_start, window_digest=self._window_digest,
             sync_state=self._sync_state, sync_scale=self._sync_scale, verdict=self._verdict,
             resolved=self._resolved, pull_due=self._pull_due,
             trailer=self._sync[2 * self._flat.numel :].clone(),
+            # The rank's own statistics: construction broadcast rank 0's over those the model restored.
+            sync_buffers=[b.detach().clone() for b in self._sync_buffers],
         )
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a state dict this rank saved; checks with the agreement check that ranks agree."""
-        if not isinstance(state_dict, dict) or "ssd_sgd" not in state_dict:
+    def check_state_dict(self, state_dict) -> None:
+        """Raise ``ValueError`` naming the first problem unless this rank can load ``state_dict``.
+
+        Checks every field's type and range, every tensor's shape, dtype and
+        finiteness, and that it was saved on this rank of this world size, with
+        these settings and parameters; modifies nothing. :meth:`load_state_dict`
+        checks besides that the ranks' global state agrees.
+        """
+        self._checked_state(state_dict)
+
+    def _checked_state(self, state_dict) -> dict:
+        """What :meth:`load_state_dict` restores, every value checked; ``ValueError`` naming the first problem."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"state_dict must be a dict, as SSDSGD.state_dict() returns, got {type(state_dict).__name__}")
+        extra = state_dict.get("ssd_sgd")
+        if not isinstance(extra, dict):
             raise ValueError("not an SSDSGD state dict (no 'ssd_sgd' entry)")
-        extra = state_dict["ssd_sgd"]
+        missing = sorted(_SAVED_FIELDS - set(extra))
+        if missing:
+            raise ValueError(f"the state dict's 'ssd_sgd' entry lacks {missing}; save it with this version's "
+                             "SSDSGD.state_dict()")
+        unknown = sorted(set(extra) - _SAVED_FIELDS, key=str)
+        if unknown:
+            raise ValueError(f"the state dict's 'ssd_sgd' entry holds {unknown}, which SSDSGD does not keep")
         for key, mine in (("world_size", self.world_size), ("rank", self.rank), ("comm", self.comm_mode),
                           ("delay_steps", self.delay_steps), ("warmup_steps", self.warmup_steps)):
-            if extra.get(key) != mine:
+            if type(extra[key]) is not type(mine) or extra[key] != mine:
                 raise ValueError(
-                    f"this state dict has {key}={extra.get(key)!r} but this optimizer has {mine!r}; "
+                    f"this state dict has {key}={extra[key]!r} but this optimizer has {mine!r}; "
                     "SSDSGD's state is per rank: load each rank's own state dict into an optimizer "
                     "built with the same settings"
                 )
-        skipped = state_dict.get("skipped_steps", 0)
+        mine = _layout(self.param_groups)
+        if _saved_layout(extra["layout"]) != mine:
+            raise ValueError(
+                f"layout: the state dict was saved for parameters {extra['layout']!r}, this optimizer has {mine!r} "
+                "(shape and dtype of each parameter, per group, in order); a checkpoint resumes only the parameters "
+                "it was saved for"
+            )
+        counters = self._checked_counters(extra)
+
+        skipped = state_dict.get("skipped_steps")
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"skipped_steps must be an int >= 0, got {skipped!r}")
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(groups)} parameter groups, this optimizer "
-                             f"{len(self.param_groups)}")
-        for group in groups:
-            self._check_group({**self.defaults, **group})
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, (list, tuple)) or not all(
+                isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) for g in groups):
+            raise ValueError("param_groups must be a list of dicts, each with a 'params' list")
+        if len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(own["params"]) for g, own in zip(groups, self.param_groups)):
+            raise ValueError(f"param_groups: the state dict has groups of {[len(g['params']) for g in groups]} "
+                             f"parameters, this optimizer {[len(g['params']) for g in self.param_groups]}")
+        for index, group in enumerate(groups):
+            try:
+                self._check_group({**self.defaults, **group})
+            except TypeError as error:  # a field of the wrong kind is a bad value of the state dict
+                raise ValueError(f"param_groups[{index}]: {error}") from error
+            except ValueError as error:
+                raise ValueError(f"param_groups[{index}]: {error}") from error
+
+        saved_state = state_dict.get("state")
+        if not isinstance(saved_state, dict):
+            raise ValueError("state must be a dict of each parameter's saved state")
         params = self._flat.params
         saved_ids = [i for g in groups for i in g["params"]]
-        if len(saved_ids) != len(params):
-            raise ValueError(f"the state dict holds {len(saved_ids)} parameters, this optimizer {len(params)}")
-        entries = [state_dict["state"].get(index) for index in saved_ids]
-        for index, entry in zip(saved_ids, entries):
-            if not entry:
-                raise ValueError(f"the state dict has no state for parameter {index}")
-        _CHECKPOINT.check("SSDSGD", params, entries)
-        saved = dict(zip(params, entries))
-        trailer = extra["trailer"]
-        if not isinstance(trailer, torch.Tensor) or trailer.numel() != self._sync.numel() - 2 * self._flat.numel:
-            raise ValueError("the state dict's sync trailer does not match this optimizer's sync_buffers")
-        pre = torch.cat([saved[p]["pre_weight"].reshape(-1) for p in params]).to(self._state_dtype)
-        sync_mom = torch.cat([saved[p]["sync_momentum"].reshape(-1) for p in params]).to(self._state_dtype)
-        server = torch.cat([saved[p][n].reshape(-1) for n in ("shadow_weight", "shadow_momentum")
-                            for p in params]).to(self._state_dtype)
-        server_is_global = extra["comm"] == "per_step" or extra["sync_state"] == "ready"
-        self._flush()  # a collective this rank launched must complete before the state changes
-        settings = {
-            **self._settings(self._sync_buffers),
-            "the saved hyperparameters": [[g.get(k) for k in _GROUP_KEYS] for g in groups],
-            "the step counters": (extra["steps"], extra["window_start"], extra["delay_ready"],
-                                  extra["sync_state"], extra["verdict"], extra["pull_due"]),
-            "the pre-weight": _tensor_digest(pre),
-            "the synchronised momentum": _tensor_digest(sync_mom),
-            "the synchronised server state": _tensor_digest(server) if server_is_global else "",
-        }
+        if len(set(saved_ids)) != len(saved_ids):
+            raise ValueError("param_groups list a parameter id more than once")
+        strays = sorted(set(saved_state) - set(saved_ids), key=str)
+        if strays:
+            raise ValueError(f"state holds entries for parameter ids {strays} that no parameter group lists")
+        entries = []
+        for index, p in zip(saved_ids, params):
+            entry = saved_state.get(index)
+            if not isinstance(entry, dict) or set(entry) != _ENTRY_NAMES:
+                got = sorted(entry, key=str) if isinstance(entry, dict) else type(entry).__name__
+                raise ValueError(f"state[{index!r}] must hold exactly {sorted(_ENTRY_NAMES)}, got {got}")
+            for name, value in entry.items():
+                dtype = p.dtype if name == "local_weight" else self._state_dtype
+                _check_saved_tensor(f"state[{index!r}][{name!r}]", value, tuple(p.shape), dtype,
+                                    finite=name in _FINITE_ENTRIES)
+            entries.append(entry)
+        b = sum(t.numel() for t in self._sync_buffers)
+        _check_saved_tensor("ssd_sgd['trailer']", extra["trailer"], (b + CHECK_ELEMENTS,), self._state_dtype)
+        saved_buffers = extra["sync_buffers"]
+        if not isinstance(saved_buffers, (list, tuple)) or len(saved_buffers) != len(self._sync_buffers):
+            raise ValueError(f"ssd_sgd['sync_buffers'] must list this optimizer's {len(self._sync_buffers)} "
+                             "floating-point sync_buffers")
+        for i, (saved, own) in enumerate(zip(saved_buffers, self._sync_buffers)):
+            _check_saved_tensor(f"ssd_sgd['sync_buffers'][{i}]", saved, tuple(own.shape), own.dtype)
+
+        def flat_of(name: str) -> torch.Tensor:
+            return torch.cat([entry[name].reshape(-1) for entry in entries])
+
+        return dict(
+            counters=counters, skipped=skipped, groups=groups, trailer=extra["trailer"], sync_buffers=saved_buffers,
+            pre=flat_of("pre_weight"), sync_momentum=flat_of("sync_momentum"), local=flat_of("local_weight"),
+            server=torch.cat([flat_of("shadow_weight"), flat_of("shadow_momentum")]),
+        )
+
+    def _checked_counters(self, extra: dict) -> dict:
+        """The saved step counters and synchronisation state, each checked against the others."""
+        k, warmup = self.delay_steps, self.warmup_steps
+        steps = _saved_int(extra, "steps", 0)
+        delay_ready = _saved_bool(extra, "delay_ready")
+        if (steps < warmup and delay_ready) or (steps > warmup and not delay_ready):
+            raise ValueError(f"ssd_sgd['delay_ready']={delay_ready} contradicts steps={steps} with "
+                             f"warmup_steps={warmup}")
+        at_sync_point = delay_ready and (steps - warmup) % k == 0
+        if delay_ready:
+            window_start = _saved_int(extra, "window_start", max(warmup, steps - k), steps)
+            if (window_start - warmup) % k:
+                raise ValueError(f"ssd_sgd['window_start'] must be warmup_steps plus a multiple of delay_steps={k}, "
+                                 f"got {window_start}")
+        else:
+            window_start = _saved_int(extra, "window_start", warmup, warmup)
+        window_digest = _saved_int(extra, "window_digest", 0, (1 << DIGEST_BITS) - 1)
+        states = ("none", "ready") if self.comm_mode == "shadow" else ("none",)
+        sync_state = _saved_choice(extra, "sync_state", states)
+        if sync_state == "ready" and not at_sync_point:
+            raise ValueError(f"ssd_sgd['sync_state']='ready' needs steps={steps} at a synchronisation point")
+        sync_scale = extra["sync_scale"]
+        if type(sync_scale) is not float or sync_scale not in (1.0, 1.0 / self.world_size):
+            raise ValueError(f"ssd_sgd['sync_scale'] must be 1.0 or 1/world_size, got {sync_scale!r}")
+        verdict = _saved_choice(extra, "verdict", _VERDICTS)
+        if verdict is not None and not delay_ready:
+            raise ValueError(f"ssd_sgd['verdict']={verdict!r} needs the delay stage (delay_ready)")
+        resolved = _saved_bool(extra, "resolved")
+        pull_due = _saved_bool(extra, "pull_due")
+        if pull_due and (self.comm_mode == "shadow" or not at_sync_point):
+            raise ValueError(f"ssd_sgd['pull_due'] is set off a per_step synchronisation point (steps={steps})")
+        return dict(steps=steps, delay_ready=delay_ready, window_start=window_start, window_digest=window_digest,
+                    sync_state=sync_state, sync_scale=sync_scale, verdict=verdict, resolved=resolved,
+                    pull_due=pull_due)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state dict this rank saved (:meth:`check_state_dict` first, then the ranks' agreement).
+
+        A collective: every rank of the group must call it. A rank whose state
+        dict is refused still joins the agreement check, so every rank raises at
+        once (the others name that rank); nothing is modified on any rank.
+        """
+        problem: Optional[Exception] = None
+        saved = settings = None
+        try:
+            saved = self._checked_state(state_dict)
+        except (TypeError, ValueError) as exc:
+            problem = exc
+        if problem is None:
+            self._flush()  # a collective this rank launched must complete before the state changes
+            counters = saved["counters"]
+            server_is_global = self.comm_mode == "per_step" or counters["sync_state"] == "ready"
+            settings = {
+                **self._settings(self._sync_buffers, self._requested_timeout),
+                "the saved hyperparameters": [[g.get(k) for k in _GROUP_KEYS] for g in saved["groups"]],
+                "the step counters": tuple(counters[k] for k in ("steps", "window_start", "delay_ready",
+                                                                 "sync_state", "verdict", "pull_due")),
+                "the pre-weight": _tensor_digest(saved["pre"]),
+                "the synchronised momentum": _tensor_digest(saved["sync_momentum"]),
+                "the synchronised server state": _tensor_digest(saved["server"]) if server_is_global else "",
+            }
         try:
             check_ranks_agree("SSDSGD", settings, comm=self._collectives, group=self.process_group,
-                              device=self._flat.buffer.device, label="load_state_dict_check")
+                              device=_setup_device(self.process_group), label="load_state_dict_check",
+                              problem=problem)
         except ValueError as error:
+            if problem is not None or "configured differently" not in str(error):
+                raise
             raise ValueError(f"{error}; load each rank's state dict from one checkpoint") from error
+        d = self._flat.numel
         with torch.no_grad():
-            for group, saved_group in zip(self.param_groups, groups):
+            for group, saved_group in zip(self.param_groups, saved["groups"]):
                 group.update({k: v for k, v in saved_group.items() if k != "params"})
-            self._pre.copy_(pre)
-            self._sync_momentum.copy_(sync_mom)
-            self._sync[: 2 * self._flat.numel].copy_(server)
-            self._sync[2 * self._flat.numel :].copy_(trailer)
-            self._flat.buffer.copy_(torch.cat([saved[p]["local_weight"].reshape(-1) for p in params]))
+            self._pre.copy_(saved["pre"])
+            self._sync_momentum.copy_(saved["sync_momentum"])
+            self._sync[: 2 * d].copy_(saved["server"])
+            self._sync[2 * d :].copy_(saved["trailer"])
+            self._flat.buffer.copy_(saved["local"])
+            for buffer, value in zip(self._sync_buffers, saved["sync_buffers"]):
+                buffer.copy_(value)
         self._work = None
         self._pending.clear()
-        self._steps = int(extra["steps"])
-        self.skipped_steps = int(skipped)
-        self._delay_ready = bool(extra["delay_ready"])
-        self._window_start = int(extra["window_start"])
-        self._window_crc = int(extra["window_crc"])
-        self._sync_state = extra["sync_state"]
-        self._sync_scale = float(extra["sync_scale"])
-        self._verdict = extra["verdict"]
-        self._resolved = bool(extra["resolved"])
-        self._pull_due = bool(extra["pull_due"])
+        counters = saved["counters"]
+        self._steps = counters["steps"]
+        self.skipped_steps = saved["skipped"]
+        self._delay_ready = counters["delay_ready"]
+        self._window_start = counters["window_start"]
+        self._window_digest = counters["window_digest"]
+        self._sync_state = counters["sync_state"]
+        self._sync_scale = counters["sync_scale"]
+        self._verdict = counters["verdict"]
+        self._resolved = counters["resolved"]
+        self._pull_due = counters["pull_due"]
 
     def __reduce__(self):
         raise TypeError("SSDSGD holds a process group and cannot be copied or pickled; save its state_dict "
