@@ -372,7 +372,7 @@ def run_all(setup: Setup) -> list[list[dict]]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as result_dir:
         mp.spawn(rank_main, args=(port, setup, result_dir), nprocs=WORLD, join=True)
-        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
 # --------------------------------------------------------------------------- summary
