@@ -587,7 +587,8 @@ def scenarios(rank, world):
     # Every rank creates every group, in the same order.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     short = [dist.new_group(r, timeout=datetime.timedelta(seconds=EARLY_STOP_TIMEOUT)) for r in ([0, 1], [2, 3])]
-    refusal = [dist.new_group(r, timeout=datetime.timedelta(seconds=REFUSAL_GROUP_TIMEOUT)) for r in ([0, 1], [2, 3])]
+    refusal = [dist.new_group(r, timeout=datetime.timedelta(seconds=REFUSAL_GROUP_TIMEOUT))
+               for r in ([0, 1], [2, 3])]
     world_results = exactness_runs(rank, None)
     pair_results = pair_scenarios(rank % 2, pairs[rank // 2], short[rank // 2], refusal[rank // 2])
     return dict(world=world_results, pair=pair_results)

@@ -376,7 +376,7 @@ class SSDSGD(PackedOptimizer):
             buffers = self._check_sync_buffers(sync_buffers)
             if buffers and comm != "shadow":
                 raise ValueError("sync_buffers are averaged with the shadow synchronisation: use comm='shadow'")
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # any refusal, so that the other ranks hear of it instead of waiting
             problem = exc
 
         if not dist.is_available() or not dist.is_initialized():
@@ -904,7 +904,8 @@ class SSDSGD(PackedOptimizer):
     def _checked_state(self, state_dict) -> dict:
         """What :meth:`load_state_dict` restores, every value checked; ``ValueError`` naming the first problem."""
         if not isinstance(state_dict, dict):
-            raise ValueError(f"state_dict must be a dict, as SSDSGD.state_dict() returns, got {type(state_dict).__name__}")
+            raise ValueError("state_dict must be a dict, as SSDSGD.state_dict() returns, "
+                             f"got {type(state_dict).__name__}")
         extra = state_dict.get("ssd_sgd")
         if not isinstance(extra, dict):
             raise ValueError("not an SSDSGD state dict (no 'ssd_sgd' entry)")
@@ -926,9 +927,9 @@ class SSDSGD(PackedOptimizer):
         mine = _layout(self.param_groups)
         if _saved_layout(extra["layout"]) != mine:
             raise ValueError(
-                f"layout: the state dict was saved for parameters {extra['layout']!r}, this optimizer has {mine!r} "
-                "(shape and dtype of each parameter, per group, in order); a checkpoint resumes only the parameters "
-                "it was saved for"
+                f"layout: the state dict was saved for parameters {extra['layout']!r}, this optimizer "
+                f"has {mine!r} (shape and dtype of each parameter, per group, in order); a checkpoint "
+                "resumes only the parameters it was saved for"
             )
         counters = self._checked_counters(extra)
 
@@ -1002,8 +1003,8 @@ class SSDSGD(PackedOptimizer):
         if delay_ready:
             window_start = _saved_int(extra, "window_start", max(warmup, steps - k), steps)
             if (window_start - warmup) % k:
-                raise ValueError(f"ssd_sgd['window_start'] must be warmup_steps plus a multiple of delay_steps={k}, "
-                                 f"got {window_start}")
+                raise ValueError("ssd_sgd['window_start'] must be warmup_steps plus a multiple of "
+                                 f"delay_steps={k}, got {window_start}")
         else:
             window_start = _saved_int(extra, "window_start", warmup, warmup)
         window_digest = _saved_int(extra, "window_digest", 0, (1 << DIGEST_BITS) - 1)
@@ -1036,7 +1037,7 @@ class SSDSGD(PackedOptimizer):
         saved = settings = None
         try:
             saved = self._checked_state(state_dict)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # any refusal, so that the other ranks hear of it instead of waiting
             problem = exc
         if problem is None:
             self._flush()  # a collective this rank launched must complete before the state changes
