@@ -33,6 +33,12 @@ def scenarios(rank, world_size):
             results[name] = None
         except BaseException as error:  # noqa: B036 - the test records what each rank raised
             results[name] = (type(error).__name__, str(error), error is problem)
+    try:
+        check_ranks_agree("layer.load_state_dict", None if rank == 1 else {"step": 3}, comm=comm,
+                          problem=ValueError("saved for rank 0") if rank == 1 else None,
+                          stage="while loading its state")
+    except ValueError as error:
+        results["loading"] = str(error)
     check_ranks_agree("layer", {"lr": 0.1}, comm=comm)  # the group is still usable afterwards
     results["after"] = True
     return results
@@ -71,3 +77,9 @@ def test_an_unshareable_error_type_reaches_peers_as_runtime_error(results):
     assert results[1]["other_type"][0] == "RuntimeError"
     assert "rank 0 refused at start-up: KeyboardInterrupt" in results[1]["other_type"][1]
     assert all(r["after"] for r in results)
+
+
+def test_the_message_says_when_the_rank_refused(results):
+    assert results[0]["loading"] == ("layer.load_state_dict: rank 1 refused while loading its state: "
+                                     "ValueError: saved for rank 0")
+    assert results[1]["loading"] == "saved for rank 0"

@@ -38,7 +38,7 @@ def _digest(value: object) -> int:
 
 
 def _raise_shared_problem(layer: str, flags: list[int], problem: Optional[BaseException], *,
-                          comm: CountingCommunicator, group, device, label: str) -> None:
+                          comm: CountingCommunicator, group, device, label: str, stage: str) -> None:
     """Every rank gathers each refusing rank's error text; a rank raises its own, the others the first one."""
     world = len(flags)
     text = "" if problem is None else f"{type(problem).__name__}\0{problem}"
@@ -54,7 +54,7 @@ def _raise_shared_problem(layer: str, flags: list[int], problem: Optional[BaseEx
     kind, _, message = raw.partition("\0")
     error_type = getattr(builtins, kind) if kind in _SHAREABLE else RuntimeError
     others = f" (ranks {failed} refused)" if len(failed) > 1 else ""
-    raise error_type(f"{layer}: rank {first} refused at start-up{others}: {kind}: {message}")
+    raise error_type(f"{layer}: rank {first} refused {stage}{others}: {kind}: {message}")
 
 
 def check_ranks_agree(
@@ -66,6 +66,7 @@ def check_ranks_agree(
     device: torch.device | str = "cpu",
     label: str = "config_check",
     problem: Optional[BaseException] = None,
+    stage: str = "at start-up",
 ) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all hold equal ``settings``.
 
@@ -77,7 +78,8 @@ def check_ranks_agree(
     ``problem``: the exception this rank's own checks raised (``settings`` may
     then be None). Every rank then raises: this rank ``problem`` itself, the
     others an exception of the same built-in type whose message names the
-    refusing rank and carries its message.
+    refusing rank and carries its message. ``stage`` says when, in that message
+    (``"at start-up"``, ``"while loading its state"``).
     """
     if problem is None and settings is None:
         raise TypeError("check_ranks_agree needs settings unless this rank reports a problem")
@@ -91,7 +93,8 @@ def check_ranks_agree(
     comm.all_gather_into_tensor(widths, width, label=label, group=group)
     flags = [int(w < 0) for w in widths.tolist()]
     if any(flags):
-        _raise_shared_problem(layer, flags, problem, comm=comm, group=group, device=device, label=label)
+        _raise_shared_problem(layer, flags, problem, comm=comm, group=group, device=device, label=label,
+                              stage=stage)
     same_width = bool((widths == widths[0]).all())
     if same_width:
         gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)

@@ -551,7 +551,7 @@ class MRDHO2:
             problem = exc
         check_ranks_agree("MRDHO2.load_state_dict", None if problem else {"epoch": checked["epoch"]},
                           comm=self._collectives, group=self.world_group, device=self.weights.device,
-                          label="load_state_dict", problem=problem)
+                          label="load_state_dict", problem=problem, stage="while loading its state")
         for mine, saved in zip(self.base_state, checked["base_state"]):
             mine.copy_(saved)
         self.epoch, self.base_step = checked["epoch"], checked["base_step"]

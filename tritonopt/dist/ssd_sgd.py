@@ -1055,7 +1055,7 @@ class SSDSGD(PackedOptimizer):
         try:
             check_ranks_agree("SSDSGD", settings, comm=self._collectives, group=self.process_group,
                               device=_setup_device(self.process_group), label="load_state_dict_check",
-                              problem=problem)
+                              problem=problem, stage="while loading its state")
         except ValueError as error:
             if problem is not None or "configured differently" not in str(error):
                 raise
