@@ -247,7 +247,8 @@ class FOSI(PackedOptimizer):
         curvature_loss_fn: zero-argument callable returning the scalar loss
             whose Hessian is estimated. It is called once per ESE (then one
             extra backward per Lanczos iteration, with scaled-dot-product
-            attention on its math backend, which has a double backward) on
+            attention on its math backend, which has a double backward, and a
+            ``torch.compile``d model running its own, eager code, for the same reason) on
             **whatever batch it closes over**; a fixed "ESE batch" (as in the
             FOSI reference code) gives a deterministic estimate. ``None``: no
             scheduled ESE; call :meth:`update_curvature` yourself. A copy
