@@ -2,11 +2,14 @@
 
 import importlib.util
 
+import pytest
+
 from _perf import output_of, perf_module, read_csv, run_script, smoke_run
 
 MODES = {"BP (1 process)", "BP-K", "GPipe", "DSP m=1", "DSP m=2", "DSP m=4"}
 
 
+@pytest.mark.experiment
 def test_smoke_run_writes_every_result():
     result, out = smoke_run("dsp_experiment")
     output = output_of(result)

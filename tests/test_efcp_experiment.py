@@ -14,6 +14,7 @@ CLAIM_RUNS = ["D-MFAC", "S-MFAC 1% EF", "S-MFAC 1% no EF"]
 
 
 @needs_sklearn
+@pytest.mark.experiment
 def test_experiment_smoke_writes_table_plot_and_summary():
     result, out = smoke_run("efcp_experiment")
     output = output_of(result)

@@ -11,6 +11,9 @@ DHO2 = "DHO2 (2 ranks)"
 MR_RUNS = ("MR-DHO2 (2+2 ranks, p = sum of gradients)", "MR-DHO2 (2+2 ranks, p = mean of gradients)")
 
 
+pytestmark = pytest.mark.experiment
+
+
 @pytest.fixture(scope="module")
 def smoke_run_output():
     result, out = smoke_run("fosi_experiment")

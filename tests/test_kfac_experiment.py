@@ -32,6 +32,7 @@ def convergence_smoke():
 read_rows = read_csv
 
 
+@pytest.mark.experiment
 @pytest.mark.parametrize("task", ["autoencoder", "classifier"])
 def test_convergence_experiment_smoke(convergence_smoke, task):
     stem = convergence_smoke / f"kfac_{task}"
@@ -69,6 +70,7 @@ def test_convergence_experiment_smoke(convergence_smoke, task):
         assert Path(f"{stem}.png").stat().st_size > 0
 
 
+@pytest.mark.experiment
 def test_only_the_chosen_task_runs():
     result, out = run_smoke("kfac_experiment", "--no-progress", "--task", "autoencoder")
     assert (out / "kfac_autoencoder.md").exists()
@@ -129,6 +131,7 @@ def test_autoencoder_shape():
     assert ((0 < out) & (out < 1)).all()
 
 
+@pytest.mark.experiment
 def test_tradeoff_smoke_matches_formulas():
     result, out = run_smoke("kaisa_tradeoff")
     assert "PASS: measured K-FAC memory and bytes received equal the formulas" in result.stdout

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from _perf import PERF_DIR, REPO_ROOT, SCRIPTS, output_of, perf_module, read_csv, run_script, smoke_run
+from _perf import EXPERIMENT_SCRIPTS, PERF_DIR, REPO_ROOT, SCRIPTS, output_of, perf_module, read_csv, run_script, smoke_run
 
 # What each script's smoke run must write (beside its table on stdout).
 SMOKE_OUTPUTS = {
@@ -56,8 +56,11 @@ def test_help(name):
     assert text.startswith("usage:") and "--smoke" in text and "--out" in text, text
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_SMOKE else name
-                                  for name in SCRIPTS])
+def _smoke_marks(name: str) -> list:
+    return ([pytest.mark.slow] if name in SLOW_SMOKE else []) + ([pytest.mark.experiment] if name in EXPERIMENT_SCRIPTS else [])
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=_smoke_marks(name)) for name in SCRIPTS])
 def test_smoke(name):
     result, out = smoke_run(name)
     assert result.returncode == 0, output_of(result)
