@@ -52,7 +52,34 @@ def scenarios(rank, world):
             dist.all_gather_into_tensor(gathered, rows.view(-1), group=group)
             out[(size, "full_v")] = gathered.view(size, 5, -1).permute(1, 0, 2).reshape(5, -1)[:, :N]
             out[(size, "stats")] = {k: vars(v) for k, v in comm.stats().items()}
+        out["disagreement"] = disagreement(rank)
     return out
+
+
+def disagreement(rank):
+    """Ranks called differently (or one refusing its own arguments): what each rank raised (None: nothing)."""
+    def on_rank_1(usual, other):
+        return other if rank == 1 else usual
+
+    cases = {
+        "n": dict(n=on_rank_1(37, 38)),
+        "num_iters": dict(num_iters=on_rank_1(6, 7)),
+        "dtype": dict(dtype=on_rank_1(torch.float64, torch.float32)),
+        "seed": dict(seed=rank),
+        "passes": dict(passes=on_rank_1(2, 1)),
+        "own_argument": dict(num_iters=on_rank_1(6, 0)),
+        "agree": {},
+    }
+    raised = {}
+    for name, change in cases.items():
+        arguments = {"n": 37, "num_iters": 6, **change}
+        size = arguments.pop("n")
+        try:
+            distributed_lanczos(lambda v: v * torch.arange(1, size + 1, dtype=v.dtype), size, **arguments)
+            raised[name] = None
+        except ValueError as error:
+            raised[name] = str(error)
+    return raised
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +136,28 @@ def test_collective_bytes_follow_algorithm_2(results, size):
     assert stats["lanczos_coef"]["calls"] == 2 * 2 * (M - 1)
     assert stats["lanczos_coef"]["bytes_sent"] == 2 * sum(i + 1 for i in range(M - 1)) * (8 + 4)
     assert stats["lanczos_norm"]["calls"] == 2 * (M - 1)
+    # The start-up agreement, under its own label: 8 bytes, then 9 digests of 8 bytes, per run.
+    assert stats["lanczos_config_check"] == dict(calls=2 * 2, bytes_sent=2 * (8 + 9 * 8),
+                                                 bytes_received=2 * (size - 1) * (8 + 9 * 8))
+
+
+@pytest.mark.parametrize("setting, values", [
+    ("n", "rank 0: 37, rank 1: 38, rank 2: 37, rank 3: 37"),
+    ("num_iters", "rank 0: 6, rank 1: 7, rank 2: 6, rank 3: 6"),
+    ("dtype", "rank 0: 'torch.float64', rank 1: 'torch.float32'"),
+    ("seed", "rank 0: 0, rank 1: 1, rank 2: 2, rank 3: 3"),
+    ("passes", "rank 0: 2, rank 1: 1, rank 2: 2, rank 3: 2"),
+])
+def test_ranks_called_differently_all_raise_naming_the_setting(results, setting, values):
+    for rank in range(WORLD):
+        message = results[rank]["disagreement"][setting]
+        assert message is not None and "distributed_lanczos: the ranks were configured differently (" in message
+        assert f"{setting}: {values}" in message
+
+
+def test_an_argument_one_rank_refuses_is_raised_on_every_rank(results):
+    assert results[1]["disagreement"]["own_argument"] == "num_iters must be an int >= 1, got 0"
+    for rank in (0, 2, 3):
+        assert ("distributed_lanczos: rank 1 refused at start-up: ValueError: num_iters must be an int >= 1, got 0"
+                in results[rank]["disagreement"]["own_argument"])
+    assert all(results[rank]["disagreement"]["agree"] is None for rank in range(WORLD))

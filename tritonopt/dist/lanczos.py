@@ -15,6 +15,14 @@ Collectives per Lanczos iteration (all through a
 * ``"lanczos_hvp"`` (only with ``data_parallel_hvp=True``): all_reduce of the
   Hessian-vector product (``n``), which is then averaged.
 
+Start-up agreement (``"lanczos_config_check"``, counted under its own label so
+that the per-iteration figures above stay exact): before the first iteration,
+:func:`~tritonopt.dist._agreement.check_ranks_agree` compares ``n``, ``num_iters``,
+``dtype``, ``passes``, ``seed``, ``breakdown_rtol``, ``data_parallel_hvp`` and the
+group's ranks, two all-gathers of ``8`` and ``8 * 9`` bytes per rank. Ranks that
+differ (or a rank that refused its own arguments) make every rank raise a
+``ValueError`` naming the setting, instead of running apart.
+
 Every rank computes the full-length HVP. By default each rank uses the same
 loss (the same ESE batch), so ``h`` and hence ``B`` agree across ranks
 (the default: ranks need not agree on anything but the seed);
@@ -35,6 +43,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from tritonopt._validation import check_bool, check_float, check_int
+from tritonopt.dist._agreement import check_ranks_agree
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.ops import gram_schmidt_coefficients, gram_schmidt_subtract
 from tritonopt.optim.lanczos import LanczosResult, check_lanczos_arguments, default_breakdown_rtol, lanczos_loop
@@ -70,13 +80,31 @@ def distributed_lanczos(
 
     Same arguments as :func:`tritonopt.optim.lanczos.lanczos`, plus the
     communicator, the process group (default: the world) and the HVP mode.
-    Every rank must call it with the same ``n``, ``num_iters`` and ``seed``.
+    Every rank must call it with the same ``n``, ``num_iters``, ``dtype``,
+    ``passes``, ``seed``, ``breakdown_rtol`` and ``data_parallel_hvp``: a
+    start-up agreement (module docstring) checks them and raises ``ValueError``
+    on every rank, naming each setting that differs.
     Host synchronisations: one per iteration, as the single-process loop.
     """
-    check_lanczos_arguments(n, num_iters, dtype)
     comm = CountingCommunicator(group) if comm is None else comm
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = torch.device(device)
+    problem, settings = None, None
+    try:
+        check_lanczos_arguments(n, num_iters, dtype)
+        check_int("passes", passes, low=1)
+        check_int("seed", seed)
+        if breakdown_rtol is not None:
+            check_float("breakdown_rtol", breakdown_rtol, low=0.0)
+        check_bool("data_parallel_hvp", data_parallel_hvp)
+        device = torch.device(device)
+        breakdown_rtol = default_breakdown_rtol(dtype) if breakdown_rtol is None else float(breakdown_rtol)
+        settings = {"n": n, "num_iters": num_iters, "dtype": str(dtype), "passes": passes, "seed": seed,
+                    "breakdown_rtol": breakdown_rtol, "data_parallel_hvp": data_parallel_hvp,
+                    "ranks": dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)}
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: an unknown device string
+        problem = exc
+    check_ranks_agree("distributed_lanczos", settings, comm=comm, group=group,
+                      device=device if problem is None else "cpu", label="lanczos_config_check", problem=problem)
     n_c = shard_size(n, world)
 
     def gather(shard: torch.Tensor) -> torch.Tensor:
@@ -102,8 +130,7 @@ def distributed_lanczos(
 
     return lanczos_loop(
         local_hvp, n, min(num_iters, n), shard_start=rank * n_c, shard_len=n_c, gather=gather,
-        project=project, dtype=dtype, device=device, seed=seed,
-        breakdown_rtol=default_breakdown_rtol(dtype) if breakdown_rtol is None else breakdown_rtol,
+        project=project, dtype=dtype, device=device, seed=seed, breakdown_rtol=breakdown_rtol,
     )
 
 
