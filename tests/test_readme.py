@@ -1,8 +1,9 @@
-"""The README's Python examples run as written.
+"""The Python examples of the README and of the pages under docs/ run as written.
 
-Fragments (the optimizer loops, which name a ``model``, a ``loader`` and a
-``loss_fn`` they do not build) run in order in one namespace that provides
-those three on a small task. A block that is a whole script for ``torchrun``
+Whole scripts (the README's first example) run as they are. Fragments (the
+optimizer loops, which name a ``model``, a ``loader`` and a ``loss_fn`` they do
+not build) run in order, one namespace per document, that provides those
+three on a small task. A block that is a whole script for ``torchrun``
 (its first line says so) runs under ``torchrun`` on 2 gloo ranks, and what it
 prints must be what the README shows after it. Fragments of a multi-rank
 program, which need a process group and per-rank data the README leaves out,
@@ -23,6 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 TORCHRUN_SCRIPT = re.compile(r"^# (\w+\.py): torchrun --nproc_per_node (\d+) \1(?: \[(\w+)(?:\|(\w+))*\])?")
 
@@ -36,18 +38,25 @@ MULTI_RANK_FRAGMENTS = {
 
 @dataclass
 class Block:
+    document: str
     line: int
     language: str
     code: str
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.document}:{self.line}"
 
 
 def readme_blocks() -> list[Block]:
-    text = README.read_text()
-    return [Block(text[: m.start()].count("\n") + 1, m.group(1), m.group(2)) for m in FENCE.finditer(text)]
+    """Every fenced block of every document, in document order."""
+    blocks = []
+    for path in DOCUMENTS:
+        text = path.read_text()
+        name = str(path.relative_to(ROOT))
+        blocks += [Block(name, text[: m.start()].count("\n") + 1, m.group(1), m.group(2))
+                   for m in FENCE.finditer(text)]
+    return blocks
 
 
 def python_blocks() -> list[Block]:
@@ -90,11 +99,12 @@ def test_every_python_block_is_run_or_accounted_for():
 
 def test_fragments_run_in_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the examples save checkpoints to the working directory
-    namespace = fragment_namespace()
+    namespaces: dict[str, dict] = {}
     ran = 0
     for block in python_blocks():
         if is_multi_rank_fragment(block) or TORCHRUN_SCRIPT.match(block.code):
             continue
+        namespace = namespaces.setdefault(block.document, fragment_namespace())
         try:
             exec(compile(block.code, block.id, "exec"), namespace)
         except Exception as error:  # name the block, not this test's line
@@ -113,7 +123,7 @@ def torchrun_scripts() -> list[tuple[Block, str, int, list[str], str]]:
             continue
         variants = [v for v in re.findall(r"\[(.*?)\]", block.code.splitlines()[0])[0].split("|")] if match.group(3) else [""]
         shown = blocks[i + 1]
-        assert shown.language == "", f"{block.id}: the README should show what the script prints right after it"
+        assert shown.language == "", f"{block.id}: the document should show what the script prints right after it"
         found.append((block, match.group(1), int(match.group(2)), variants, shown.code))
     return found
 
@@ -132,3 +142,20 @@ def test_torchrun_scripts_print_what_the_readme_shows(script, tmp_path):
         assert result.returncode == 0, f"{block.id} {variant}: exit {result.returncode}\n{result.stderr[-3000:]}"
         printed.append(result.stdout)
     assert "".join(printed).split() == shown.split()
+
+
+def test_the_first_script_trains_as_the_readme_says(tmp_path):
+    """The README's first example, run alone, prints a loss, an accuracy and a state size like those it quotes."""
+    first = next(b for b in python_blocks() if b.document == "README.md")
+    result = subprocess.run([sys.executable, "-c", first.code], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = re.fullmatch(r"loss ([\d.]+), training accuracy ([\d.]+)%, optimizer state (\d+) KiB\n", result.stdout)
+    assert printed, result.stdout
+    quoted = re.search(r"prints `loss ([\d.]+), training accuracy ([\d.]+)%, optimizer state (\d+) KiB`",
+                       README.read_text())
+    assert quoted, "the README should quote what its first script prints"
+    # The state size is exact; the loss and accuracy may differ in the last digits on another processor.
+    assert printed.group(3) == quoted.group(3)
+    assert abs(float(printed.group(2)) - float(quoted.group(2))) <= 1.0
+    assert float(printed.group(1)) <= 2 * float(quoted.group(1))
