@@ -156,7 +156,9 @@ def train_rank(rank: int, world: int, config: dict) -> list[dict]:
             result = train(model, step, data, seed=seed, epochs=config["epochs"], max_steps=config["max_steps"],
                            on_step=on_step, on_epoch=lambda epoch, r: epoch_bytes.append(counter.sent - start_bytes))
             sent = counter.sent - start_bytes
-            counted = state.communicator.total_bytes("sent") if state is not None else None
+            # The start-up agreement ran when the state was built, before this window opened.
+            counted = (sum(s.bytes_sent for label, s in state.communicator.stats().items() if label != "config_check")
+                       if state is not None else None)
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             gathered = [torch.empty_like(flat) for _ in range(world)]
             dist.all_gather(gathered, flat)  # outside the counted window
@@ -192,7 +194,7 @@ def run_on_ranks(config: dict) -> list[dict]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as result_dir:
         mp.spawn(_rank_main, args=(WORLD, port, config, result_dir), nprocs=WORLD, join=True)
-        return [row for r in range(WORLD) for row in torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False)]
+        return [row for r in range(WORLD) for row in torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=True)]
 
 
 # --------------------------------------------------------------------------- reporting

@@ -9,7 +9,10 @@ error-feedback identities on those logs with bounds derived from float32
 rounding (``u = 2**-24``).
 """
 
+import copy
+import io
 import math
+import time
 
 import pytest
 import torch
@@ -28,6 +31,20 @@ BUCKET_CAP_MB = 0.001  # ~1 KB: one bucket per layer after the rebuild (one buck
 TOPK = dict(density=0.1, block_size=128)
 LOWRANK = dict(rank=2, warmup_iters=1)  # min_compression_rate 2: the 12x6 layer stays uncompressed
 UNIT_ROUNDOFF = 2.0**-24
+RESUME_STEPS, RESUME_AT = 7, 3  # a checkpoint after 3 iterations (DDP has rebuilt its buckets), 4 more after it
+RESUME_CASES = {  # name: hook, state, settings, model ("MisorderedMLP" or "ForwardOrderMLP")
+    "topk": (ef_topk_hook, EFTopKState, TOPK, "MisorderedMLP"),  # the checkpoint holds errors
+    # Saved in the last warm-up iteration: compression starts at the restart, on DDP's initial bucket.
+    "topk_warmup_ends_at_restart": (ef_topk_hook, EFTopKState, dict(TOPK, warmup_iters=RESUME_AT), "MisorderedMLP"),
+    "lowrank": (lowrank_ef_hook, LowRankState, LOWRANK, "MisorderedMLP"),
+    "lowrank_warmup_ends_at_restart": (lowrank_ef_hook, LowRankState, dict(LOWRANK, warmup_iters=RESUME_AT),
+                                       "MisorderedMLP"),
+    # Its initial bucket meets the three compressed weights in another order than the rebuilt buckets: the
+    # warm starts drawn at the restart must follow the saved order.
+    "lowrank_warmup_ends_at_restart_forward_order": (
+        lowrank_ef_hook, LowRankState, dict(LOWRANK, warmup_iters=RESUME_AT), "ForwardOrderMLP"),
+}
+STALL_TIMEOUT = 2.0  # seconds: the hook states' timeout in the stalled-peer scenarios
 
 
 class MisorderedMLP(nn.Module):
@@ -39,6 +56,20 @@ class MisorderedMLP(nn.Module):
         self.head = nn.Linear(24, 10)
         self.body = nn.Linear(12, 24)
         self.stem = nn.Linear(6, 12)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(torch.relu(self.stem(x)))))
+
+
+class ForwardOrderMLP(nn.Module):
+    """6 -> 24 -> 24 -> 10, registered in forward order; every weight is compressed at rank 2."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem = nn.Linear(6, 24)
+        self.body = nn.Linear(24, 24)
+        self.head = nn.Linear(24, 10)
 
     def forward(self, x):
         return self.head(torch.relu(self.body(torch.relu(self.stem(x)))))
@@ -167,6 +198,187 @@ def float64_bucket(rank):
     return "no error"
 
 
+def sgd_steps(ddp, optimizer, data):
+    for x, y in data:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+
+
+def flat_parameters(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def resume(rank, hook, state_class, settings, model_name):
+    """The same run uninterrupted, and restarted from a checkpoint (model, optimizer, hook state) that went
+    through ``torch.save`` and ``torch.load(weights_only=True)``; and restarted without the hook state."""
+    data = batches(rank, RESUME_STEPS)
+    model_class = {"MisorderedMLP": MisorderedMLP, "ForwardOrderMLP": ForwardOrderMLP}[model_name]
+
+    def start(model, state=None):
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+        state = state_class(**settings) if state is None else state
+        ddp.register_comm_hook(state, hook)
+        return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+
+    model = model_class()
+    ddp, _, optimizer = start(model)
+    sgd_steps(ddp, optimizer, data)
+    uninterrupted = flat_parameters(model)
+
+    model = model_class()
+    ddp, state, optimizer = start(model)
+    sgd_steps(ddp, optimizer, data[:RESUME_AT])
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}, saved)
+
+    def restart(with_hook_state: bool):
+        checkpoint = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+        model = model_class(seed=1)
+        model.load_state_dict(checkpoint["model"])
+        state = state_class(**settings)
+        if with_hook_state:
+            state.load_state_dict(checkpoint["hook"])
+        ddp, state, optimizer = start(model, state)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        sgd_steps(ddp, optimizer, data[RESUME_AT:])
+        return flat_parameters(model), state.iteration, checkpoint["hook"]
+
+    resumed, iteration, hook_state = restart(True)
+    without_hook_state, _, _ = restart(False)
+    buckets = hook_state.get("buckets", hook_state.get("layout"))
+    return dict(uninterrupted=uninterrupted, resumed=resumed, without_hook_state=without_hook_state,
+                iteration=iteration, saved_buckets=len(buckets))
+
+
+def disagreement(rank):
+    """States built differently on the two ranks: what each rank raised (None: nothing)."""
+    cases = {
+        "block_size": lambda: EFTopKState(**dict(TOPK, block_size=[128, 64][rank])),
+        "warmup_iters": lambda: EFTopKState(**dict(TOPK, warmup_iters=rank)),
+        "density": lambda: EFTopKState(**dict(TOPK, density=[0.1, 0.2][rank])),
+        "rank": lambda: LowRankState(rank=[2, 3][rank]),
+        "min_compression_rate": lambda: LowRankState(rank=2, min_compression_rate=[2.0, 0.0][rank]),
+        "own_argument": lambda: EFTopKState(**dict(TOPK, density=[0.1, 0.0][rank])),
+        "own_timeout": lambda: LowRankState(rank=2, timeout=[30.0, -1.0][rank]),
+        "seed": lambda: LowRankState(rank=2, seed=rank),  # harmless: each rank's warm start is its own
+    }
+    raised = {}
+    for name, make in cases.items():
+        try:
+            make()
+            raised[name] = None
+        except Exception as error:  # noqa: BLE001 - the test records what each rank raised
+            raised[name] = (type(error).__name__, str(error))
+    return raised
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same_state, a, b))
+    return a == b
+
+
+def _edited(state_dict, path, value):
+    edited = copy.deepcopy(state_dict)
+    *parents, last = path
+    target = edited
+    for key in parents:
+        target = target[key]
+    if value is _DELETE:
+        del target[last]
+    else:
+        target[last] = value(target[last]) if callable(value) else value
+    return edited
+
+
+_DELETE = object()
+
+
+def _nan_at_first(tensor):
+    tensor = tensor.clone()
+    tensor.view(-1)[0] = float("nan")
+    return tensor
+
+
+# name: (path into the state dict, new value or a function of the old one, ranks that edit it)
+TOPK_EDITS = {
+    "other rank": (["process_rank"], 0, [1]),
+    "other world size": (["world_size"], 3, [0, 1]),
+    "negative iteration": (["iteration"], -1, [0, 1]),
+    "other iteration on one rank": (["iteration"], lambda i: i + 1, [1]),
+    "other density": (["settings", "density"], 0.2, [0, 1]),
+    "short error": (["buckets", 0, "error"], lambda e: e[:-1], [0, 1]),
+    "non-finite error": (["buckets", 0, "error"], _nan_at_first, [0, 1]),
+    "unknown parameter": (["buckets", 0, "keys", 0], 99, [0, 1]),
+    "unknown dtype": (["parameters", 0, 1], "int8", [0, 1]),
+    "other model": (["parameters", 0, 0], [99], [0, 1]),
+    "missing field": (["iteration"], _DELETE, [0, 1]),
+    "other version": (["version"], 2, [0, 1]),
+}
+LOWRANK_EDITS = {
+    "other rank": (["process_rank"], 0, [1]),
+    "other approximation rank": (["settings", "rank"], 3, [0, 1]),
+    "bad generator": (["generator"], torch.zeros(3, dtype=torch.uint8), [0, 1]),
+    "short warm start": (["tensors", 0, "q"], lambda q: q[:-1], [0, 1]),
+    "uncompressed parameter": (["tensors", 0, "key"], 1, [0, 1]),  # head.bias, 1-D
+    "float64 error": (["tensors", 0, "error"], lambda e: e.double(), [0, 1]),
+}
+
+
+def checkpoint_refusals(rank):
+    """Edited state dicts, each loaded on both ranks: what each rank raised, and whether its state stayed."""
+    out = {}
+    for name, hook, state_class, settings, edits in (("topk", ef_topk_hook, EFTopKState, TOPK, TOPK_EDITS),
+                                                     ("lowrank", lowrank_ef_hook, LowRankState, LOWRANK, LOWRANK_EDITS)):
+        model = MisorderedMLP()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+        state = state_class(**settings)
+        ddp.register_comm_hook(state, hook)
+        sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches(rank, RESUME_AT))
+        saved = io.BytesIO()
+        torch.save(state.state_dict(), saved)
+        good = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+        results = {}
+        for edit, (path, value, ranks) in edits.items():
+            state_dict = _edited(good, path, value) if rank in ranks else copy.deepcopy(good)
+            before = state.state_dict()
+            try:
+                state.load_state_dict(state_dict)
+                raised = None
+            except Exception as error:  # noqa: BLE001 - the test records what each rank raised
+                raised = (type(error).__name__, str(error))
+            results[edit] = (raised, _same_state(before, state.state_dict()))
+        state.load_state_dict(good)
+        results["reloaded"] = _same_state(good, state.state_dict())
+        out[name] = results
+    return out
+
+
+def stalled_peer(rank, hook, state_class, settings):
+    """Rank 1 builds the state (timeout ``STALL_TIMEOUT``) and then sleeps past it; rank 0 runs backward."""
+    model = MisorderedMLP()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(state_class(**settings, timeout=STALL_TIMEOUT), hook)
+    outcome = None
+    if rank == 0:
+        x, y = batches(rank, 1)[0]
+        began = time.monotonic()
+        try:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            outcome = "no error"
+        except RuntimeError as error:
+            outcome = (time.monotonic() - began, str(error))
+    else:
+        time.sleep(STALL_TIMEOUT + 3.0)
+    dist.barrier()  # the world group: the hook's own group is the one that failed
+    return outcome
+
+
 def scenarios(rank, world):
     results = {
         # The ops' Triton kernels (through the interpreter on CPU).
@@ -176,12 +388,20 @@ def scenarios(rank, world):
     with tritonopt.use_backend("reference"):  # the hooks' own logic, at the references' speed
         results.update(density_one=density_one_against_default(rank), nonfinite=nonfinite_gradient(rank),
                        float64=float64_bucket(rank))
+        results["resume"] = {name: resume(rank, *case) for name, case in RESUME_CASES.items()}
+        results["disagreement"] = disagreement(rank)
+        results["refusals"] = checkpoint_refusals(rank)
+        # Last: a timed-out collective leaves its group unusable.
+        results["stalled"] = {
+            "topk": stalled_peer(rank, ef_topk_hook, EFTopKState, TOPK),  # compressed from the first iteration
+            "lowrank": stalled_peer(rank, lowrank_ef_hook, LowRankState, LOWRANK),  # the warm-up all-reduce
+        }
     return results
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_on_ranks(WORLD, scenarios, timeout=300)
+    return run_on_ranks(WORLD, scenarios, timeout=600)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -332,7 +552,9 @@ def test_byte_counters_equal_the_formulas(results):
             entries = (blocks - 1) * math.ceil(TOPK["density"] * block) + math.ceil(TOPK["density"] * last)
             topk_sent += 4 * entries + 4 * math.ceil(2 * entries / 4)
         stats = rank_result["topk"]["stats"]
-        assert set(stats) == {"topk_allgather"}
+        assert set(stats) == {"config_check", "topk_allgather"}
+        # The start-up agreement: the number of digests, then 5 of them (names, 3 settings, the ranks).
+        assert stats["config_check"] == dict(calls=2, bytes_sent=8 + 5 * 8, bytes_received=(WORLD - 1) * (8 + 5 * 8))
         assert stats["topk_allgather"] == dict(calls=len(rank_result["topk"]["log"]), bytes_sent=topk_sent,
                                                bytes_received=(WORLD - 1) * topk_sent)
 
@@ -349,6 +571,8 @@ def test_byte_counters_equal_the_formulas(results):
             compressed_calls += bool(compressed)
             plain_calls += len(compressed) < len(shapes)
         stats = rank_result["lowrank"]["stats"]
+        assert set(stats) == {"config_check", "warmup_allreduce", "lowrank_allgather", "uncompressed_allreduce"}
+        assert stats["config_check"] == dict(calls=2, bytes_sent=8 + 5 * 8, bytes_received=(WORLD - 1) * (8 + 5 * 8))
         assert stats["warmup_allreduce"] == dict(calls=1, bytes_sent=warmup, bytes_received=warmup)
         assert stats["lowrank_allgather"] == dict(calls=compressed_calls, bytes_sent=factors,
                                                   bytes_received=(WORLD - 1) * factors)
@@ -397,6 +621,8 @@ def test_an_unsupported_gradient_dtype_is_named(results):
     (lambda: EFTopKState().bucket_error(-1), ValueError, "index must be an int >= 0"),
     (lambda: LowRankState().parameter_error("w"), TypeError, "parameter must be a torch.Tensor"),
     (lambda: LowRankState().compressed_shape((4, -1)), ValueError, "shape must be a sequence of non-negative ints"),
+    (lambda: EFTopKState(timeout=-1.0), ValueError, "timeout must be > 0"),
+    (lambda: LowRankState(timeout="1s"), TypeError, "timeout must be a float"),
 ])
 def test_bad_arguments_raise_named_errors(make, error, match):
     with pytest.raises(error, match=match):
@@ -410,3 +636,109 @@ def test_compressed_shape_follows_the_compression_rate_rule():
     assert state.compressed_shape((8, 8)) is None  # 4 * 16 * 2 = 128 >= 64
     assert state.compressed_shape((256,)) is None
     assert LowRankState(rank=4, min_compression_rate=0).compressed_shape((3, 2)) == (3, 2, 2)  # rank capped
+
+
+# --------------------------------------------------------------------------- checkpoints, agreement, timeouts
+
+
+@pytest.mark.parametrize("name", list(RESUME_CASES))
+def test_a_run_restarted_from_a_checkpoint_equals_the_uninterrupted_one_bitwise(results, name):
+    for rank_result in results:
+        run = rank_result["resume"][name]
+        assert run["iteration"] == RESUME_STEPS
+        # Saved after DDP's rebuild (3 buckets); the restart's first iteration has DDP's initial single bucket.
+        assert run["saved_buckets"] == 3
+        assert torch.equal(run["resumed"], run["uninterrupted"])
+        # The hook state matters: without it the restarted run goes elsewhere.
+        assert not torch.equal(run["without_hook_state"], run["uninterrupted"])
+    assert torch.equal(results[0]["resume"][name]["resumed"], results[1]["resume"][name]["resumed"])
+
+
+@pytest.mark.parametrize("name, layer, setting, values", [
+    ("block_size", "EFTopKState", "block_size", "rank 0: 128, rank 1: 64"),
+    ("warmup_iters", "EFTopKState", "warmup_iters", "rank 0: 0, rank 1: 1"),
+    ("density", "EFTopKState", "density", "rank 0: 0.1, rank 1: 0.2"),
+    ("rank", "LowRankState", "rank", "rank 0: 2, rank 1: 3"),
+    ("min_compression_rate", "LowRankState", "min_compression_rate", "rank 0: 2.0, rank 1: 0.0"),
+])
+def test_every_rank_names_a_setting_that_differs_at_construction(results, name, layer, setting, values):
+    for rank_result in results:
+        kind, message = rank_result["disagreement"][name]
+        assert kind == "ValueError"
+        assert f"{layer}: the ranks were configured differently ({setting}: {values})" in message
+
+
+@pytest.mark.parametrize("name, own", [
+    ("own_argument", "density must be > 0.0, got 0.0"),
+    ("own_timeout", "timeout must be > 0.0, got -1.0"),
+])
+def test_an_argument_one_rank_refuses_is_raised_on_every_rank(results, name, own):
+    assert results[1]["disagreement"][name] == ("ValueError", own)
+    kind, message = results[0]["disagreement"][name]
+    assert kind == "ValueError" and f"rank 1 refused at start-up: ValueError: {own}" in message
+
+
+def test_ranks_may_seed_their_warm_starts_differently(results):
+    assert all(r["disagreement"]["seed"] is None for r in results)
+
+
+@pytest.mark.parametrize("name, edits", [("topk", TOPK_EDITS), ("lowrank", LOWRANK_EDITS)])
+def test_a_refused_state_dict_raises_on_every_rank_and_changes_nothing(results, name, edits):
+    layer = {"topk": "EFTopKState", "lowrank": "LowRankState"}[name]
+    for rank, rank_result in enumerate(results):
+        refusals = rank_result["refusals"][name]
+        for edit, (path, _, ranks) in edits.items():
+            raised, unchanged = refusals[edit]
+            assert raised is not None and raised[0] == "ValueError", (edit, rank, raised)
+            assert unchanged, (edit, rank)
+            if edit == "other iteration on one rank":  # no rank refuses: they disagree
+                assert "the ranks were configured differently (iteration: " in raised[1]
+            elif rank in ranks:
+                assert raised[1].startswith(f"{layer}.load_state_dict: "), (edit, raised)
+            else:  # told by the rank that refused
+                assert (f"rank {ranks[0]} refused while loading its state: ValueError: {layer}.load_state_dict"
+                        in raised[1])
+        assert refusals["reloaded"]
+
+
+def test_refused_state_dicts_name_the_field(results):
+    topk, lowrank = results[1]["refusals"]["topk"], results[1]["refusals"]["lowrank"]
+    expected = [
+        (topk, "other rank", "process_rank is 0 but this state has 1"),
+        (topk, "other world size", "world_size is 3 but this state has 2"),
+        (topk, "negative iteration", "iteration must be an int >= 0, got -1"),
+        (topk, "other density", "settings.density is 0.2 but this state has 0.1"),
+        (topk, "short error", "bucket 0 error must be a torch.float32 tensor of shape"),
+        (topk, "non-finite error", "bucket 0 error holds a NaN or an infinity"),
+        (topk, "unknown parameter", "buckets[0].keys must be an int in [0, 5], got 99"),
+        (topk, "unknown dtype", "parameters[0] dtype must be one of"),
+        (topk, "missing field", "the state dict must hold exactly the keys"),
+        (topk, "other version", "version is 2 but this state has 1"),
+        (lowrank, "other approximation rank", "settings.rank is 3 but this state has 2"),
+        (lowrank, "bad generator", "generator is not a CPU generator's state"),
+        (lowrank, "short warm start", "tensors[0].q must be a torch.float32 tensor of shape"),
+        (lowrank, "uncompressed parameter", "tensors[0].key names parameter 1 of shape (10,), which this state does"),
+        (lowrank, "float64 error", "tensors[0].error must be a torch.float32 tensor"),
+    ]
+    for refusals, edit, text in expected:
+        assert text in refusals[edit][0][1], (edit, refusals[edit])
+    assert "iteration: rank 0: 3, rank 1: 4" in topk["other iteration on one rank"][0][1]
+    assert "parameters" in topk["other model"][0][1]
+
+
+@pytest.mark.parametrize("name, label, collective", [
+    ("topk", "topk_allgather", "all_gather_into_tensor"),
+    ("lowrank", "warmup_allreduce", "all_reduce"),
+])
+def test_a_stalled_peer_makes_the_hook_fail_within_the_timeout(results, name, label, collective):
+    waited, message = results[0]["stalled"][name]
+    layer = {"topk": "EFTopKState", "lowrank": "LowRankState"}[name]
+    assert f"CollectiveFailure: {layer}: the collective {label!r} ({collective}) among ranks [0, 1] failed" in message
+    assert f"timeout {STALL_TIMEOUT:g} s" in message
+    assert waited < STALL_TIMEOUT + 10.0  # the timeout plus slack for a loaded machine
+
+
+def test_a_state_built_before_init_process_group_cannot_checkpoint():
+    for state in (EFTopKState(), LowRankState()):
+        with pytest.raises(RuntimeError, match="built before torch.distributed was initialized"):
+            state.state_dict()
