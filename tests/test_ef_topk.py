@@ -5,20 +5,13 @@ import math
 import pytest
 import torch
 from conftest import backend_device, run_on_backend, triton_runs_here
+from _helpers import BACKENDS, needs_triton
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tritonopt.kernels.ef_topk import ef_topk_reference, ef_topk_triton
 from tritonopt.ops import densify_blocks, ef_topk
 
-BACKENDS = [
-    "reference",
-    pytest.param(
-        "triton",
-        marks=pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here"),
-    ),
-]
-needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 
 GRAD_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 KINDS = ["normal", "ties", "zeros", "signed_zeros", "denormal", "wide"]

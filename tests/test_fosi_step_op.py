@@ -3,16 +3,12 @@
 import pytest
 import torch
 from conftest import backend_device, run_on_backend, triton_runs_here
+from _helpers import BACKENDS
 from hypothesis import given
 from hypothesis import strategies as st
 
 import tritonopt
 from tritonopt.ops import fosi_step
-
-BACKENDS = [
-    "reference",
-    pytest.param("triton", marks=pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")),
-]
 
 
 def problem(n, r, seed):

@@ -6,13 +6,11 @@ import warnings
 
 import pytest
 import torch
-from conftest import triton_runs_here
+from _helpers import needs_triton
 from torch import nn
 
 import tritonopt
 from tritonopt.optim.kfac import KFACPreconditioner, UnsupportedLayerError
-
-needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ independent of the kernels and references under test.
 
 import pytest
 import torch
-from conftest import backend_device, run_on_backend, triton_runs_here
+from conftest import backend_device, run_on_backend
+from _helpers import BACKENDS, needs_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,8 +22,6 @@ from tritonopt.ops import (
 )
 from tritonopt.kernels import kfac as kernels
 
-needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
-BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
 LOW_PRECISION = [torch.float16, torch.bfloat16]
 
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from conftest import backend_device, run_on_backend, triton_runs_here
+from conftest import backend_device, run_on_backend
+from _helpers import BACKENDS, needs_triton
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -17,12 +18,6 @@ from tritonopt.optim.lanczos import (
     ritz_vectors,
     select_ritz,
 )
-
-BACKENDS = [
-    "reference",
-    pytest.param("triton", marks=pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")),
-]
-needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 
 
 def orthonormal_rows(m, n, seed, dtype):

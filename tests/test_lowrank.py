@@ -2,15 +2,13 @@
 
 import pytest
 import torch
-from conftest import run_on_backend, triton_runs_here
+from conftest import run_on_backend
+from _helpers import BACKENDS, needs_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonopt
 from tritonopt.ops import lowrank_ef, lowrank_frobenius_products
-
-needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
-BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -2,16 +2,14 @@
 
 import pytest
 import torch
-from conftest import run_on_backend, triton_runs_here
+from conftest import run_on_backend
+from _helpers import BACKENDS, needs_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonopt
 from tritonopt.ops import densify_ring, sparse_lcg, sparse_ring_insert, sparse_sp
 from tritonopt.ops import ef_topk
-
-needs_triton = pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
-BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
 
 
 def random_ring(num_blocks, m, k, block_size, filled, values_dtype=torch.float32, seed=0):
