@@ -14,26 +14,32 @@ from typing import Optional, Sequence
 import torch
 
 from tritonopt._runtime import cdiv
+from tritonopt.optim._sharding import local_tensor
 
 
 class BlockLayout:
     """Where each tensor of ``tensors`` lives in a padded ``[num_blocks, block_size]`` buffer.
 
     ``block_size`` is capped at the total element count, so a group smaller
-    than one block is a single unpadded block.
+    than one block is a single unpadded block. DTensors are laid out by their
+    local part (``locals``, what ``views`` are shaped like). ``span`` (at least
+    the local total) lengthens the blocked vector with zero padding: sharded
+    windows give every rank the same buffer shape that way.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], block_size: int):
+    def __init__(self, tensors: Sequence[torch.Tensor], block_size: int, *, span: Optional[int] = None):
         if not tensors:
             raise ValueError("a block layout needs at least one tensor")
         self.tensors = tuple(tensors)
-        self.numels = tuple(t.numel() for t in self.tensors)
+        self.locals = tuple(local_tensor(t) for t in self.tensors)
+        self.numels = tuple(t.numel() for t in self.locals)
         self.total = sum(self.numels)
-        if self.total == 0:
+        self.span = self.total if span is None else max(span, self.total)
+        if self.span == 0:
             raise ValueError("a block layout needs at least one element")
-        self.block_size = min(block_size, self.total)
-        self.num_blocks = cdiv(self.total, self.block_size)
-        self.device = self.tensors[0].device
+        self.block_size = min(block_size, self.span)
+        self.num_blocks = cdiv(self.span, self.block_size)
+        self.device = self.locals[0].device
         offsets, start = [], 0
         for n in self.numels:
             offsets.append(start)
@@ -53,12 +59,12 @@ class BlockLayout:
         flat = buffer.view(-1)
         return [
             flat[start : start + n].view(t.shape)
-            for start, n, t in zip(self.offsets, self.numels, self.tensors)
+            for start, n, t in zip(self.offsets, self.numels, self.locals)
         ]
 
     def pack(self, sources: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
         """Copy ``sources`` (shaped like the layout's tensors) into ``buffer``; padding is untouched."""
-        flat = [s.reshape(-1) for s in sources]
+        flat = [local_tensor(s).reshape(-1) for s in sources]
         if any(s.dtype != buffer.dtype for s in flat):
             flat = [s.to(buffer.dtype) for s in flat]
         torch.cat(flat, out=buffer.view(-1)[: self.total])

@@ -22,7 +22,16 @@ are views of its slice, so the kernels run once per group while
   buffers are rebuilt from the per-parameter state at the next step;
 * :meth:`PackedOptimizer.state_bytes`: the bytes of the state and the work buffers;
 * :func:`available_memory`: what a device can still hold, to refuse an optimizer
-  whose state cannot fit before it allocates anything.
+  whose state cannot fit before it allocates anything;
+* sharded parameters (DTensors of FSDP2's ``fully_shard``, see
+  :mod:`~tritonopt.optim._sharding`): an optimizer that sets
+  ``SHARDING_REFUSAL = None`` packs each rank's local shards and keeps its state
+  per rank; every other one refuses DTensors at construction, saying why. The
+  ranks check at construction that they were given the same settings, and a
+  sharded ``state_dict`` shows the per-rank state as DTensors (so that
+  ``torch.distributed.checkpoint`` saves every rank's part) and carries its
+  layout and world size in each parameter group as well (``get_optimizer_state_dict``
+  keeps only ``state`` and ``param_groups``).
 """
 
 from __future__ import annotations
@@ -41,6 +50,15 @@ from torch.optim import Optimizer
 from tritonopt._validation import check_choice
 from tritonopt.optim._accounting import optimizer_state_bytes
 from tritonopt.optim._blocks import BlockLayout
+from tritonopt.optim._sharding import (
+    ShardGroup,
+    is_sharded,
+    like_param,
+    local_tensor,
+    rank_stacked,
+    refuse_sharded,
+    shard_spec,
+)
 
 NONFINITE_POLICIES = ("skip", "raise")
 
@@ -79,14 +97,14 @@ def bind_flat_state(
     """
     buffers = {name: layout.zeros(dtype) for name in names}
     for name, buffer in buffers.items():
-        for p, view in zip(layout.tensors, layout.views(buffer)):
+        for p, local, view in zip(layout.tensors, layout.locals, layout.views(buffer)):
             entry = state[p]
             if name in entry:
-                if not isinstance(entry[name], torch.Tensor) or entry[name].shape != p.shape:
+                if not isinstance(entry[name], torch.Tensor) or entry[name].shape != local.shape:
                     shape = getattr(entry[name], "shape", None)
                     raise ValueError(
                         f"state {name!r} has shape {tuple(shape) if shape is not None else type(entry[name]).__name__} "
-                        f"but its parameter has shape {tuple(p.shape)}"
+                        f"but its parameter has shape {tuple(local.shape)}"
                     )
                 view.copy_(entry[name])
             entry[name] = view
@@ -199,6 +217,11 @@ def _check_step_tensor(name: str, value) -> None:
 
 
 LAYOUT_KEY = "param_layout"
+SHARD_WORLD_KEY = "shard_world"
+SKIPPED_KEY = "skipped_steps"
+# Kept in every saved parameter group of a sharded optimizer too: torch.distributed.checkpoint's
+# get_optimizer_state_dict passes on only "state" and "param_groups".
+_GROUP_METADATA = (LAYOUT_KEY, SHARD_WORLD_KEY, SKIPPED_KEY)
 
 
 def param_layout(groups: Sequence[dict]) -> list[list[tuple]]:
@@ -285,13 +308,29 @@ class PackedOptimizer(Optimizer):
     replaced).
     """
 
+    # Why DTensor parameters are refused; None where the subclass steps them (see _sharding).
+    SHARDING_REFUSAL: Optional[str] = (
+        "its state and update are computed over the whole parameter vector, and on shards each rank would "
+        "compute them from its own shard only; the optimizers that step sharded parameters are SparseAdaGrad, "
+        "MFAC, SparseMFAC, GGT and SparseGGT"
+    )
+    # State entries shaped like the parameter's local part, and per-rank window entries (the same shape
+    # on every rank): a sharded state_dict shows them as DTensors laid out like the parameter, or stacked
+    # over the ranks along their first dimension.
+    LIKE_PARAM_ENTRIES: frozenset = frozenset()
+    RANK_STACKED_ENTRIES: frozenset = frozenset()
+
     def __init__(self, params: Iterable, defaults: dict, on_nonfinite: str = "skip"):
         check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
         self._check_group(defaults)
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
         self._packed: dict = {}
+        self._shards: Optional[ShardGroup] = None
         super().__init__(params, defaults)
+        if self._shards is not None:
+            self._shards.check_agree(type(self).__name__, self._agreement_settings())
+        self._constructed = True
 
     # ------------------------------------------------------------------ checks
 
@@ -312,13 +351,55 @@ class PackedOptimizer(Optimizer):
             self._check_group(group)
             self._check_params(group["params"])
             self._check_group_set(self.param_groups)
+            shards = self._check_sharding()
+            if shards is not None and getattr(self, "_constructed", False):
+                shards.check_agree(type(self).__name__, self._agreement_settings())
         except Exception:
             self.param_groups.pop()  # a rejected group leaves the optimizer as it was
             raise
+        self._shards = shards
+
+    # ------------------------------------------------------------------ sharded parameters
+
+    def _check_sharding(self) -> Optional[ShardGroup]:
+        """The collectives over the parameters' mesh (None for plain tensors); refuses what cannot be stepped."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        name = type(self).__name__
+        if self.SHARDING_REFUSAL is not None:
+            refuse_sharded(name, params, self.SHARDING_REFUSAL)
+            return None
+        spec = shard_spec(name, params)
+        if spec is None:
+            return None
+        if self._shards is not None and self._shards.spec.mesh == spec.mesh:
+            return self._shards
+        if self._shards is not None:
+            raise ValueError(f"{name}: a new parameter group lives on another device mesh than the others")
+        return ShardGroup(spec)
+
+    def _agreement_settings(self) -> dict:
+        """What every rank of a sharded optimizer must agree on: its class, each group's hyperparameters and
+        parameter layout (global shapes, dtypes, placements)."""
+        settings = {"optimizer": type(self).__name__, "on_nonfinite": self.on_nonfinite}
+        for index, group in enumerate(self.param_groups):
+            for key, value in group.items():
+                if key != "params":
+                    settings[f"param_groups[{index}].{key}"] = value
+            settings[f"param_groups[{index}].params"] = [
+                (tuple(p.shape), p.dtype, tuple(str(x) for x in getattr(p, "placements", ()))) for p in group["params"]
+            ]
+        return settings
+
+    @property
+    def shard_group(self) -> Optional[ShardGroup]:
+        """The collectives over the sharded parameters' mesh, with the bytes they moved; None for plain tensors."""
+        return self._shards
 
     def _check_params(self, params: Sequence[torch.Tensor]) -> None:
         name = type(self).__name__
         for p in params:
+            if self.SHARDING_REFUSAL is not None:
+                refuse_sharded(name, [p], self.SHARDING_REFUSAL)
             if p.is_complex():
                 raise ValueError(f"{name} does not support complex parameters")
             if not p.is_floating_point():
@@ -373,7 +454,72 @@ class PackedOptimizer(Optimizer):
         state = super().state_dict()
         state["skipped_steps"] = self.skipped_steps
         state[LAYOUT_KEY] = param_layout(self.param_groups)
+        if self._shards is not None:
+            state[SHARD_WORLD_KEY] = self._shards.spec.world
+            state["state"] = self._sharded_state(state["state"])
+            for saved, layout in zip(state["param_groups"], state[LAYOUT_KEY]):
+                saved.update({LAYOUT_KEY: layout, SHARD_WORLD_KEY: self._shards.spec.world,
+                              SKIPPED_KEY: self.skipped_steps})
         return state
+
+    def _sharded_state(self, saved_state: dict) -> dict:
+        """The per-parameter state with each rank's tensors as DTensors (new dicts; the live state is not touched)."""
+        params = list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
+        spec = self._shards.spec
+        shown = {}
+        for key, entry in saved_state.items():
+            p = params[key]
+            entry = dict(entry)
+            for name, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if name in self.LIKE_PARAM_ENTRIES and value.shape == local_tensor(p).shape:
+                    entry[name] = like_param(value, p)
+                elif name in self.RANK_STACKED_ENTRIES:
+                    entry[name] = rank_stacked(value, spec)
+            shown[key] = entry
+        return shown
+
+    def _local_state_dict(self, state_dict: dict) -> dict:
+        """``state_dict`` with DTensor entries as this rank's local tensors and the layout, world size and
+        skipped steps at the top (from its groups when only those carry them); the groups lose those keys.
+
+        A DTensor saved on a mesh of another size than this optimizer's is refused.
+        """
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
+            state_dict.get("param_groups"), (list, tuple)
+        ):
+            return state_dict  # check_state_dict names the problem
+        out = dict(state_dict)
+        groups = []
+        for saved in state_dict["param_groups"]:
+            if isinstance(saved, dict) and any(key in saved for key in _GROUP_METADATA):
+                saved = dict(saved)
+                metadata = {key: saved.pop(key) for key in _GROUP_METADATA if key in saved}
+                if LAYOUT_KEY not in state_dict:
+                    out.setdefault(LAYOUT_KEY, []).append(metadata.get(LAYOUT_KEY))
+                for key in (SHARD_WORLD_KEY, SKIPPED_KEY):
+                    if key in metadata and key not in state_dict:
+                        out.setdefault(key, metadata[key])
+            groups.append(saved)
+        out["param_groups"] = groups
+        world = self._shards.spec.world if self._shards is not None else None
+        local_state = {}
+        for key, entry in state_dict["state"].items():
+            if isinstance(entry, dict) and any(is_sharded(v) for v in entry.values()):
+                entry = dict(entry)
+                for name, value in entry.items():
+                    if is_sharded(value):
+                        if value.device_mesh.size() != world:
+                            raise ValueError(
+                                f"saved state {name!r} is sharded over {value.device_mesh.size()} ranks, and this "
+                                f"optimizer's parameters over {world or 1}; {type(self).__name__} keeps each "
+                                "rank's part of its state and cannot reshard it: resume on as many ranks"
+                            )
+                        entry[name] = value.to_local()
+            local_state[key] = entry
+        out["state"] = local_state
+        return out
 
     def check_state_dict(self, state_dict) -> None:
         """Raise ``ValueError`` naming the first problem unless :meth:`load_state_dict` can load ``state_dict``.
@@ -383,11 +529,13 @@ class PackedOptimizer(Optimizer):
         the state belongs to listed parameters, and every entry's names, shapes,
         dtypes, counters and finiteness (:meth:`_checkpoint_spec`).
         """
+        state_dict = self._local_state_dict(state_dict)
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
             state_dict.get("param_groups"), (list, tuple)
         ):
             raise ValueError("state_dict must be a dict with 'state' (a dict) and 'param_groups' (a list), "
                              "as state_dict() returns")
+        self._check_shard_world(state_dict.get(SHARD_WORLD_KEY))
         saved_state, saved_groups = state_dict["state"], state_dict["param_groups"]
         if not all(isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) for g in saved_groups):
             raise ValueError("each of the state dict's param_groups must be a dict with a 'params' list")
@@ -415,13 +563,30 @@ class PackedOptimizer(Optimizer):
         for index, (saved, group, hyper) in enumerate(zip(saved_groups, self.param_groups, hypers)):
             spec = self._checkpoint_spec(index, hyper, group["params"])
             if spec is not None:
-                spec.check(type(self).__name__, group["params"], [saved_state.get(i) for i in saved["params"]])
+                spec.check(type(self).__name__, [local_tensor(p) for p in group["params"]],
+                           [saved_state.get(i) for i in saved["params"]])
+
+    def _check_shard_world(self, saved) -> None:
+        """A checkpoint resumes on as many ranks as saved it (None: unsharded), else ``ValueError``."""
+        world = self._shards.spec.world if self._shards is not None else None
+        if saved == world:
+            return
+        if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 1):
+            raise ValueError(f"{SHARD_WORLD_KEY} must be an int >= 1, got {saved!r}")
+        saved_text = f"sharded over {saved} ranks" if saved is not None else "unsharded parameters"
+        mine_text = f"sharded over {world} ranks" if world is not None else "unsharded parameters"
+        raise ValueError(
+            f"{SHARD_WORLD_KEY}: the state dict was saved for {saved_text}, this optimizer has {mine_text}; "
+            f"{type(self).__name__} keeps each rank's part of its state (its shards' columns of the window, "
+            "its blocks) and cannot reshard it: resume with the same number of ranks"
+        )
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.check_state_dict(state_dict)
-        state_dict = dict(state_dict)
+        state_dict = self._local_state_dict(state_dict)
         skipped = state_dict.pop("skipped_steps", 0)
         state_dict.pop(LAYOUT_KEY)
+        state_dict.pop(SHARD_WORLD_KEY, None)
         saved_state = state_dict["state"]
         saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         super().load_state_dict(state_dict)

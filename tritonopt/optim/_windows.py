@@ -15,6 +15,10 @@ to overwrite) and ``ring_filled``. Each step it
 ``state_layout`` gives every entry a window keeps, with shapes and dtypes: the
 group's (in the first parameter's state) and each parameter's own. Checkpoints
 are checked against it and the memory a window will need is computed from it.
+For sharded parameters it is given the local tensors and the padded ``span``
+of every rank's part (the layout's ``span``); ``insert`` returns this rank's
+part of ``s``, with a replicated parameter's coordinates weighted by the
+packed group's ``column_weights``, and the optimizer sums the ranks' parts.
 
 =================  ==========================================  ==================
 window             ``x``                                       ``w @ G``
@@ -82,13 +86,13 @@ class DenseWindow:
     @staticmethod
     def initial_state(state: dict, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
         m = group["ngrads"]
-        return {"ring_grads": torch.zeros((m, layout.total), dtype=dtype, device=layout.device),
+        return {"ring_grads": torch.zeros((m, layout.span), dtype=dtype, device=layout.device),
                 **_gram_state(m, layout.device)}
 
     @staticmethod
-    def state_layout(group: dict, params: Sequence[torch.Tensor], dtype: torch.dtype):
+    def state_layout(group: dict, params: Sequence[torch.Tensor], dtype: torch.dtype, *, span=None):
         m = group["ngrads"]
-        total = sum(p.numel() for p in params)
+        total = max(sum(p.numel() for p in params), span or 0)
         return {"ring_grads": ((m, total), dtype), "dots": ((m, m), torch.float64)}, _no_entries
 
     @staticmethod
@@ -98,7 +102,8 @@ class DenseWindow:
         with nvtx_range(f"tritonopt/{algo}/insert"):
             window[slot].copy_(g)
         with nvtx_range(f"tritonopt/{algo}/sp"):
-            products = window @ g
+            weights = packed.work.get("column_weights")
+            products = window @ (g if weights is None else g * weights.view(-1))
         return products
 
     @staticmethod
@@ -160,8 +165,8 @@ class SparseWindow:
         }
 
     @staticmethod
-    def state_layout(group: dict, params: Sequence[torch.Tensor], dtype: torch.dtype):
-        m, total = group["ngrads"], sum(p.numel() for p in params)
+    def state_layout(group: dict, params: Sequence[torch.Tensor], dtype: torch.dtype, *, span=None):
+        m, total = group["ngrads"], max(sum(p.numel() for p in params), span or 0)
         block_size = min(group["block_size"], total)
         shape = (-(-total // block_size), m, kept_per_block(group["density"], None, block_size))
         return {"ring_indices": (shape, SparseWindow.index_dtype(block_size)),
@@ -189,7 +194,8 @@ class SparseWindow:
         with nvtx_range(f"tritonopt/{algo}/insert"):
             sparse_ring_insert(indices_ring, values_ring, slot, indices.to(indices_ring.dtype), values)
         with nvtx_range(f"tritonopt/{algo}/sp"):
-            products = sparse_sp(indices_ring, values_ring, compressed)
+            weights = packed.work.get("column_weights")
+            products = sparse_sp(indices_ring, values_ring, compressed if weights is None else compressed * weights)
         packed.stats["error_norm"] = error.norm()  # what this step left out (kept for the next with feedback)
         return products
 
@@ -201,7 +207,7 @@ class SparseWindow:
         first positions, which the selection never takes (they hold zeros and
         ties go to the lower position), so all positions in the row stay distinct.
         """
-        last_length = layout.total - (layout.num_blocks - 1) * layout.block_size
+        last_length = layout.span - (layout.num_blocks - 1) * layout.block_size
         k_last = kept_per_block(density, None, last_length)
         if k_last >= k:
             return ef_topk(grad, error, k)
@@ -269,7 +275,7 @@ class LowRankWindow:
         return _gram_state(m, layout.device)
 
     @staticmethod
-    def state_layout(group: dict, params: Sequence[torch.Tensor], dtype: torch.dtype):
+    def state_layout(group: dict, params: Sequence[torch.Tensor], dtype: torch.dtype, *, span=None):
         m, rank = group["ngrads"], group["rank"]
 
         def factors(p):

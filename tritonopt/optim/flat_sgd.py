@@ -107,6 +107,9 @@ class FlatSGD(PackedOptimizer):
     the next step, which moves the parameters into a fresh flat buffer.
     """
 
+    SHARDING_REFUSAL = ("it moves the parameters into a flat buffer of its own (each becomes a view of it), "
+                        "while FSDP2 owns the storage of the sharded parameters; use torch.optim.SGD")
+
     def __init__(
         self,
         params: Iterable,

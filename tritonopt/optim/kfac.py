@@ -61,6 +61,7 @@ from torch import nn
 
 from tritonopt._validation import check_bool
 from tritonopt.optim._kfac_layers import KFACLayer, UnsupportedLayerError
+from tritonopt.optim._sharding import KFAC_SHARDING_REFUSAL, refuse_sharded
 from tritonopt.optim.kfac_base import BaseKFACPreconditioner
 from tritonopt.optim.kfac_functional import kfac_precondition
 
@@ -94,6 +95,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     def __init__(self, model: nn.Module, *, independent_ranks: bool = False, **kwargs):
         check_bool("independent_ranks", independent_ranks)
+        refuse_sharded(type(self).__name__, list(model.parameters()), KFAC_SHARDING_REFUSAL)
         if isinstance(model, _DATA_PARALLEL):
             raise ValueError(
                 f"KFACPreconditioner got a {type(model).__name__} model: each rank would fold only its own "

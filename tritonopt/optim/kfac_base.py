@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tritonopt._runtime import nvtx_range
+from tritonopt.optim._sharding import KFAC_SHARDING_REFUSAL, refuse_sharded
 from tritonopt._validation import (
     FLOAT_DTYPES,
     check_bool,
@@ -222,6 +223,7 @@ class BaseKFACPreconditioner:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        refuse_sharded(type(self).__name__, list(model.parameters()), KFAC_SHARDING_REFUSAL)
         hyper = dict(
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
             damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr,

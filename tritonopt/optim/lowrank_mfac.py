@@ -54,6 +54,8 @@ class LowRankMFAC(WindowedPreconditioner):
     WEIGHTS = staticmethod(mfac_weights)
     SCALE = "damp"
     FREEZE_BY_ZERO_ACCUMULATOR = False
+    SHARDING_REFUSAL = ("its power iteration compresses each whole gradient tensor (P = GS(E Q) and Q = E^T P "
+                        "mix every row), and a rank holds only some rows of a sharded one; use SparseMFAC or MFAC")
 
     def __init__(
         self,

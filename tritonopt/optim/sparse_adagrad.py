@@ -11,6 +11,7 @@ from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_float, check_int
 from tritonopt.optim._blocks import BlockLayout, kept_per_block
 from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim._sharding import local_tensor
 from tritonopt.optim.functional import apply_decoupled_update, sparse_adagrad
 
 # Squares of entries below this, summed over many steps, stay far from float32's 3.4e38.
@@ -55,7 +56,19 @@ class SparseAdaGrad(PackedOptimizer):
     its dtype): ``error`` (e), ``sum_sq`` (H), and ``step``.
     Parameters whose ``.grad`` is None are skipped: neither they nor their
     state change. Sparse and complex gradients are rejected.
+
+    Sharded parameters (DTensors of FSDP2's ``fully_shard``: ``Shard(0)`` or
+    ``Replicate()`` on a 1-D mesh): each rank packs its local shards and cuts
+    *them* into blocks, so the Top-k selects per block of a rank's shard, and
+    the state is the rank's part. Where every entry is kept (``k`` equal to
+    the block) the update is elementwise and equals the unsharded optimizer's
+    bit for bit; with fewer kept entries the blocks, and so the selection,
+    differ from an unsharded run's. The ranks agree on skipping a step (one
+    all-reduce of one float per step).
     """
+
+    SHARDING_REFUSAL = None
+    LIKE_PARAM_ENTRIES = frozenset({"error", "sum_sq"})
 
     def __init__(
         self,
@@ -143,16 +156,20 @@ class SparseAdaGrad(PackedOptimizer):
         with nvtx_range("tritonopt/sparse_adagrad/pack"):
             for index, group in enumerate(self.param_groups):
                 params = self._params_with_grad(group)
-                if not any(p.numel() for p in params):  # a group of only empty parameters has nothing to step
+                if not any(local_tensor(p).numel() for p in params):  # nothing to step here
                     continue
                 packed = self._packed_group(index, group, params)
                 packed.layout.pack([p.grad for p in params], packed.grad)
                 work.append((group, params, packed))
-        if not work:
+        if self._shards is not None:  # every rank takes part, holding a shard or not, and all decide alike
+            largest = self._shards.largest(torch.stack(
+                [packed.grad.abs().amax().float() for _, _, packed in work] or [torch.zeros(())]).max())
+        elif not work:
             return loss
-        # NaN and inf propagate into the maximum (one host sync). Above _MAX_GRADIENT_ENTRY
-        # the squares summed into the AdaGrad state could overflow float32.
-        largest = float(torch.stack([packed.grad.abs().amax() for _, _, packed in work]).max())
+        else:
+            # NaN and inf propagate into the maximum (one host sync). Above _MAX_GRADIENT_ENTRY
+            # the squares summed into the AdaGrad state could overflow float32.
+            largest = float(torch.stack([packed.grad.abs().amax() for _, _, packed in work]).max())
         if not largest < _MAX_GRADIENT_ENTRY:
             self._refuse_step("a gradient holds NaN or inf" if not math.isfinite(largest) else
                               f"a gradient entry of {largest:.3g} is too large for the float32 state", stateless)
@@ -168,6 +185,6 @@ class SparseAdaGrad(PackedOptimizer):
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         with nvtx_range("tritonopt/sparse_adagrad/update"):
             update = sparse_adagrad(packed.grad, packed.error, packed.sum_sq, packed.update, k=k, eps=eps)
-            apply_decoupled_update(params, layout.views(update), lr, wd)
+            apply_decoupled_update(layout.locals, layout.views(update), lr, wd)
             for p in params:
                 self.state[p]["step"] += 1

@@ -49,6 +49,23 @@ to the row stored this step. State layout:
 
 Before it allocates anything, the constructor refuses a window whose state would
 not fit in the memory its device has left (:meth:`expected_state_bytes`).
+
+Sharded parameters (DTensors of FSDP2's ``fully_shard``, ``Shard(0)`` or
+``Replicate()`` on a 1-D mesh; dense and sparse windows): each rank keeps its
+shards' columns of the window, laid end to end and padded with zeros to the
+length of the fullest rank's (rank 0's), so that every rank's window has one
+shape; a sparse window cuts each rank's part into its own blocks. Every entry of
+``s = G x`` (and so of ``dots``) is a sum over coordinates: each rank computes
+its part and one all-reduce of ``m`` float64 values sums them (a replicated
+parameter's coordinates count ``1 / world`` on each rank). The ``m x m``
+algebra is then the same on every rank, and the combination ``w @ G`` is
+local. The gradient-norm check takes one all-reduce of one float per window
+(``max_update_norm`` one more), so ranks skip a step together. Per rank the
+window is ``1 / world`` of the unsharded one (up to the uneven rows), and
+``dots`` is replicated. At ``density = 1`` the result equals the unsharded
+optimizer's up to the order of the float32 sums. The low-rank window (its
+power iteration needs each whole tensor) and ``track_error_norm`` are refused
+on DTensors.
 """
 
 from __future__ import annotations
@@ -68,6 +85,7 @@ from tritonopt.optim._packed import (
     available_memory,
     bind_flat_state,
 )
+from tritonopt.optim._sharding import is_sharded, local_tensor
 from tritonopt.optim._window_algebra import update_gram
 from tritonopt.optim._windows import fold_new_row
 from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum
@@ -96,6 +114,9 @@ class WindowedPreconditioner(PackedOptimizer):
     SCALE: str
     # Blockwise compressors see a zero accumulator where a parameter has no gradient.
     FREEZE_BY_ZERO_ACCUMULATOR = True
+    SHARDING_REFUSAL = None
+    LIKE_PARAM_ENTRIES = frozenset({"error", "momentum_buffer"})
+    RANK_STACKED_ENTRIES = frozenset({"ring_grads", "ring_indices", "ring_values"})
 
     def __init__(self, params: Iterable, defaults: dict, on_nonfinite: str, *,
                  per_group_windows: bool = False, track_error_norm: bool = False):
@@ -105,6 +126,20 @@ class WindowedPreconditioner(PackedOptimizer):
         self.track_error_norm = track_error_norm
         super().__init__(params, {"max_update_norm": None, **defaults}, on_nonfinite)
         self._check_fits()
+
+    def _check_sharding(self):
+        shards = super()._check_sharding()
+        if shards is not None and self.track_error_norm:
+            raise ValueError(f"{type(self).__name__}: track_error_norm is not supported with DTensor (sharded) "
+                             "parameters: the norms it keeps would be each rank's shard's, not the model's")
+        return shards
+
+    def _agreement_settings(self) -> dict:
+        return {**super()._agreement_settings(), "per_group_windows": self.per_group_windows}
+
+    def _span(self, params: Sequence[torch.Tensor]) -> Optional[int]:
+        """The length every rank's part of a sharded window is padded to (None for plain tensors)."""
+        return None if self._shards is None else self._shards.spec.largest_local_numel(params)
 
     # ------------------------------------------------------------------ checks
 
@@ -165,17 +200,21 @@ class WindowedPreconditioner(PackedOptimizer):
             if not params:
                 continue
             dtype = self._work_dtype(params)
-            group_entries, param_entries = self.WINDOW.state_layout(groups[0], params, dtype)
+            span = self._span(params)
+            locals_ = [local_tensor(p) for p in params]
+            group_entries, param_entries = self.WINDOW.state_layout(groups[0], locals_, dtype, span=span)
             entries = list(group_entries.values())
-            for p in params:
+            for p in locals_:
                 entries += list(param_entries(p).values())
             total += sum(math.prod(shape) * torch.empty((), dtype=d).element_size() for shape, d in entries)
-            layout_numel = _padded_numel(params, self._block_size(groups[0]))
+            layout_numel = _padded_numel(locals_, self._block_size(groups[0]), span)
             flat = [dtype]  # the packed-gradient scratch
             if self.WINDOW.ERROR_FEEDBACK:
                 flat.append(self.WINDOW.error_dtype(groups[0]))
             if any(g["momentum"] > 0 for g in groups):
                 flat.append(dtype)
+            if span is not None and self._shards.spec.world > 1 and not all(_row_sharded(p) for p in params):
+                flat.append(dtype)  # the replicated parameters' column weights
             total += sum(layout_numel * torch.empty((), dtype=d).element_size() for d in flat)
             total += 4 * len(params)  # the float32 step counters
         return total
@@ -200,11 +239,12 @@ class WindowedPreconditioner(PackedOptimizer):
             window_params = [p for g in self.param_groups for p in g["params"]]
             first = index == 0
         dtype = self._work_dtype(window_params)
-        group_entries, param_entries = self.WINDOW.state_layout(group, window_params, dtype)
+        group_entries, param_entries = self.WINDOW.state_layout(
+            group, [local_tensor(p) for p in window_params], dtype, span=self._span(window_params))
         error = {"error"} if self.WINDOW.ERROR_FEEDBACK else set()
         dtypes = {"momentum_buffer": dtype, "error": self.WINDOW.error_dtype(group)}
         for p in window_params[:1]:  # every parameter's own entries share their dtypes
-            dtypes.update({name: entry_dtype for name, (_, entry_dtype) in param_entries(p).items()})
+            dtypes.update({name: entry_dtype for name, (_, entry_dtype) in param_entries(local_tensor(p)).items()})
         if first:
             dtypes.update({name: entry_dtype for name, (_, entry_dtype) in group_entries.items()})
         return CheckpointSpec(
@@ -242,11 +282,11 @@ class WindowedPreconditioner(PackedOptimizer):
         if (
             packed is not None
             and packed.layout.matches(params)
-            and packed.layout.block_size == min(self._block_size(group), packed.layout.total)
+            and packed.layout.block_size == min(self._block_size(group), packed.layout.span)
             and self.state[params[0]]["dots"].shape[0] == group["ngrads"]
         ):
             return packed
-        layout = BlockLayout(params, self._block_size(group))
+        layout = BlockLayout(params, self._block_size(group), span=self._span(params))
         dtype = self._work_dtype(params)
         for p in params:
             self.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
@@ -266,7 +306,15 @@ class WindowedPreconditioner(PackedOptimizer):
                     f"state {name!r} does not match this window's layout (expected shape "
                     f"{tuple(value.shape)}); were ngrads, block_size or the parameters changed?"
                 )
-        packed = PackedGroup(layout, buffers, {"grad": layout.zeros(dtype)})
+        work = {"grad": layout.zeros(dtype)}
+        if self._shards is not None and self._shards.spec.world > 1 and any(not _row_sharded(p) for p in params):
+            # A replicated parameter's coordinates are on every rank: each counts them 1 / world in the sums.
+            weights = layout.zeros(dtype).fill_(1.0)
+            for p, view in zip(params, layout.views(weights)):
+                if not _row_sharded(p):
+                    view.fill_(1.0 / self._shards.spec.world)
+            work["column_weights"] = weights
+        packed = PackedGroup(layout, buffers, work)
         self._packed[index] = packed
         return packed
 
@@ -295,8 +343,13 @@ class WindowedPreconditioner(PackedOptimizer):
         if not work:
             return loss
         # max|g| * sqrt(d) bounds the norm; NaN and inf propagate into it (one host sync).
-        bounds = torch.stack([packed.grad.abs().amax() * math.sqrt(packed.layout.total) for *_, packed in work])
-        largest = float(bounds.max())
+        if self._shards is None:
+            bounds = torch.stack([packed.grad.abs().amax() * math.sqrt(packed.layout.total) for *_, packed in work])
+            largest = float(bounds.max())
+        else:  # the model's largest entry and length: every rank skips alike
+            largest = self._shards.largest(torch.stack([
+                packed.grad.abs().amax().float() * math.sqrt(sum(p.numel() for p in params))
+                for _, params, _, packed in work]).max())
         if not largest < MAX_GRADIENT_NORM:
             self._refuse_step("a gradient holds NaN or inf" if not math.isfinite(largest) else
                               f"a gradient is too large to precondition in float32 (norm up to {largest:.3g})",
@@ -312,6 +365,8 @@ class WindowedPreconditioner(PackedOptimizer):
         ring = self.state[packed.layout.tensors[0]]
         slot = self._advance(ring)
         products = self.WINDOW.insert(self.ALGO, self.state, group, packed, active, slot)
+        if self._shards is not None:  # each rank summed its own coordinates
+            products = self._shards.all_reduce(products.to(torch.float64))
         scale = group[self.SCALE]
         with nvtx_range(f"tritonopt/{self.ALGO}/solve"):
             update_gram(ring["dots"], slot, products)
@@ -339,7 +394,12 @@ class WindowedPreconditioner(PackedOptimizer):
         if not self.track_error_norm:
             packed.stats.pop("error_norm", None)
         limit = groups[0]["max_update_norm"]
-        if limit is not None:
+        if limit is not None and self._shards is not None:
+            weights = packed.work.get("column_weights")
+            squares = direction.square() if weights is None else direction.square() * weights
+            norm = self._shards.all_reduce(squares.sum(dtype=torch.float64).reshape(1)).sqrt().to(direction.dtype)[0]
+            direction.mul_(torch.clamp(limit / norm.clamp_min(torch.finfo(norm.dtype).tiny), max=1.0))
+        elif limit is not None:
             norm = direction.norm()
             direction.mul_(torch.clamp(limit / norm.clamp_min(torch.finfo(norm.dtype).tiny), max=1.0))
 
@@ -355,7 +415,8 @@ class WindowedPreconditioner(PackedOptimizer):
                 if group["momentum"] > 0:
                     updates = self._momentum(group["momentum"], layout, start, end, momenta, direction,
                                              packed.momentum_buffer, active)
-                apply_decoupled_update(group["params"], updates, group["lr"], group["weight_decay"], active[start:end])
+                apply_decoupled_update(layout.locals[start:end], updates, group["lr"], group["weight_decay"],
+                                       active[start:end])
                 start = end
             for p, a in zip(params, active):
                 if a:
@@ -396,7 +457,11 @@ def _check_ring_position(ring: dict) -> None:
         )
 
 
-def _padded_numel(params: Sequence[torch.Tensor], block_size: int) -> int:
-    total = sum(p.numel() for p in params)
+def _padded_numel(params: Sequence[torch.Tensor], block_size: int, span: Optional[int] = None) -> int:
+    total = max(sum(p.numel() for p in params), span or 0)
     block = max(1, min(block_size, total))
     return -(-total // block) * block
+
+
+def _row_sharded(p) -> bool:
+    return is_sharded(p) and not p.placements[0].is_replicate()

@@ -1,0 +1,410 @@
+"""tritonopt's optimizers on sharded parameters (DTensors, FSDP2's ``fully_shard``) on 2 gloo ranks.
+
+One spawn runs every case (:func:`_scenario`) and returns what each rank saw. The
+shapes are uneven on purpose (13 rows on 2 ranks: 7 and 6; 3 rows: 2 and 1).
+
+Each sharded run is compared with the same optimizer on plain tensors that get the
+very same gradients (the sharded run's, gathered), so the only difference is how the
+sums over coordinates are formed. Elementwise updates (SparseAdaGrad keeping every
+entry) are then equal bit for bit. For the windows the bound is
+:func:`_window_bound`, derived there.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+from _distributed import run_on_ranks
+
+WORLD = 2
+STEPS = 6
+NGRADS = 4
+U32 = 2.0**-24  # float32 unit roundoff
+
+
+def _gamma(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u): a float32 sum of n terms in any order errs by at most gamma_n * sum|terms|."""
+    return n * U32 / (1 - n * U32)
+
+
+def _window_bound(ref, scale: float, kind: str) -> torch.Tensor:
+    """Per coordinate, a bound on how far the sharded step's update ``u`` can be from the reference's.
+
+    Both runs hold the same window ``G`` (the same gradients) and the same new row ``x``
+    (row ``slot``); they differ in how each scalar product of ``s = G x`` and of
+    ``dots = G G^T`` sums its ``d`` float32 terms (one sum, or a sum per rank added in
+    float64). Each run errs by at most ``gamma_d sum_i |G_ji x_i|`` (Higham), so the two
+    differ by ``ds_j <= 2 gamma_d (|G| |x|)_j`` and ``dD_jk <= 2 gamma_d (|G| |G|^T)_jk``.
+    The weights are ``z = f(dots) s`` with ``f(lam) = -1 / (damp (damp m + lam))`` for
+    M-FAC and ``-1 / (eps sqrt(lam) (sqrt(lam) + eps))`` for GGT on the written rows
+    (unwritten rows are zero in both runs, exactly). By Daleckii-Krein the Frechet
+    derivative of ``f`` is bounded by ``L = max |f'|`` and ``f`` itself by ``M = max |f|``
+    over the spectrum, both at its smallest eigenvalue (``|f|``, ``|f'|`` decrease), so to
+    first order ``||dz|| <= L ||dD||_F ||s|| + M ||ds||``; we double it for the
+    second-order terms (of relative size ``||dD|| / lam_min``, below 1e-3 here). The float64
+    solve's own rounding is below ``2^-52`` relative and is left out. Then
+    ``u = w @ G`` (``w = z + e_slot / scale``) adds ``|du_i| <= ||dz|| ||G[:, i]|| +
+    2 gamma_m (|w| |G|)_i``, the last term for the two float32 combinations' rounding.
+    """
+    import tritonopt
+
+    params = ref.param_groups[0]["params"]
+    ring = ref.state[params[0]]
+    if "ring_grads" in ring:
+        window = ring["ring_grads"].double()
+    else:  # a sparse ring keeping every entry holds the dense rows
+        block_size = min(ref.param_groups[0]["block_size"], sum(p.numel() for p in params))
+        dense = tritonopt.ops.densify_ring(ring["ring_indices"], ring["ring_values"], block_size)
+        window = dense.reshape(dense.shape[0], -1)[:, : sum(p.numel() for p in params)].double()
+    m, d = window.shape
+    filled = ring["ring_filled"]
+    slot = (ring["ring_slot"] - 1) % m
+    rows = window[:filled] if filled < m else window
+    x = window[slot]
+    absolute = rows.abs()
+    ds = 2 * _gamma(d) * (absolute @ x.abs())
+    dD = 2 * _gamma(d) * (absolute @ absolute.T)
+    dots = rows @ rows.T
+    s = rows @ x
+    lam = torch.linalg.eigvalsh(dots).clamp_min(0)
+    if kind == "mfac":
+        low = scale * m + lam.min()
+        f_max, f_prime = 1 / (scale * low), 1 / (scale * low**2)
+        z = -torch.linalg.solve(dots + scale * m * torch.eye(len(rows), dtype=torch.float64), s) / scale
+    else:
+        sigma = lam.min().sqrt()
+        f_max = 1 / (scale * sigma * (sigma + scale))
+        f_prime = (1 + scale / (2 * sigma)) / (scale * (lam.min() + scale * sigma) ** 2)
+        vals, vecs = torch.linalg.eigh(dots)
+        z = vecs @ ((-1 / (scale * vals.sqrt() * (vals.sqrt() + scale))) * (vecs.T @ s))
+    dz = 2 * (f_prime * torch.linalg.matrix_norm(dD) * s.norm() + f_max * ds.norm())
+    w = torch.zeros(m, dtype=torch.float64)
+    w[: len(rows)] = z
+    w[slot] += 1 / scale
+    return dz * window.norm(dim=0) + 2 * _gamma(m) * (w.abs() @ window.abs())
+
+
+# ---------------------------------------------------------------------- the ranks' side
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+
+
+def _sharded_model(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batch(rank: int, step: int):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
+
+
+def _backward(model, rank: int, step: int):
+    x, y = _batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+CASES = {
+    "SparseAdaGrad": ("SparseAdaGrad", dict(lr=0.05, density=1.0, block_size=16), None),
+    "MFAC": ("MFAC", dict(lr=0.01, ngrads=NGRADS, damp=0.1), ("mfac", "damp")),
+    "SparseMFAC": ("SparseMFAC", dict(lr=0.01, ngrads=NGRADS, damp=0.1, density=1.0, block_size=16), ("mfac", "damp")),
+    "GGT": ("GGT", dict(lr=0.01, ngrads=NGRADS, eps=0.1), ("ggt", "eps")),
+    "SparseGGT": ("SparseGGT", dict(lr=0.01, ngrads=NGRADS, eps=0.1, density=1.0, block_size=16), ("ggt", "eps")),
+}
+
+
+def _optimizer(name: str, params, **overrides):
+    import tritonopt
+
+    cls_name, kwargs, _ = CASES[name]
+    return getattr(tritonopt.optim, cls_name)(params, **{**kwargs, **overrides})
+
+
+def _compare_fsdp(rank, mesh, name):
+    """A fully_shard'ed model under ``name`` beside a plain copy stepped with the same (gathered) gradients,
+    with clip_grad_norm_ on the DTensor gradients, a StepLR schedule and zero_grad(set_to_none=True)."""
+    model, reference = _sharded_model(mesh), _model()
+    opt, ref_opt = _optimizer(name, model.parameters()), _optimizer(name, reference.parameters())
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_schedule = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    largest_gap, budget, exact = 0.0, 0.0, True
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        _backward(model, rank, step)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.grad = p.grad.full_tensor()
+        lr = ref_opt.param_groups[0]["lr"]
+        opt.step()
+        ref_opt.step()
+        schedule.step()
+        ref_schedule.step()
+        kind = CASES[name][2]
+        if kind is not None:
+            # The updates' differences add up: lr * du per step, and each parameter's own
+            # float32 rounding of theta - lr u (one unit of |theta|) where theta already differs.
+            flat_theta = torch.cat([q.detach().reshape(-1) for q in reference.parameters()]).double()
+            budget_now = lr * _window_bound(ref_opt, CASES[name][1][kind[1]], kind[0]) + 2 * U32 * flat_theta.abs()
+            budget = budget + budget_now
+        sharded = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+        plain = torch.cat([q.detach().reshape(-1) for q in reference.parameters()])
+        exact = exact and torch.equal(sharded, plain)
+        if kind is not None:
+            largest_gap = max(largest_gap, float(((sharded.double() - plain.double()).abs() / budget).max()))
+    opt.zero_grad(set_to_none=True)
+    return {"exact": exact, "gap_over_bound": largest_gap, "lr": opt.param_groups[0]["lr"],
+            "grads_none": all(p.grad is None for p in model.parameters())}
+
+
+def _explicit_dtensors(rank, mesh, name):
+    """Shard(0) and Replicate() DTensors set by hand (a replicated bias counts 1/world on each rank)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(1)
+    fulls = [torch.randn(13, 5), torch.randn(3, 13), torch.randn(7)]
+    placements = [[Shard(0)], [Shard(0)], [Replicate()]]
+    params = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, pl)) for f, pl in zip(fulls, placements)]
+    plain = [torch.nn.Parameter(f.clone()) for f in fulls]
+    opt, ref_opt = _optimizer(name, params), _optimizer(name, plain)
+    gap, budget = 0.0, 0.0
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(f.shape, generator=gen) for f in fulls]
+        for p, q, g, pl in zip(params, plain, grads, placements):
+            p.grad = distribute_tensor(g.clone(), mesh, pl)
+            q.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+        kind = CASES[name][2]
+        sharded = torch.cat([p.full_tensor().detach().reshape(-1) for p in params]).double()
+        reference = torch.cat([q.detach().reshape(-1) for q in plain]).double()
+        if kind is None:
+            gap = max(gap, float((sharded - reference).abs().max()))
+            continue
+        lr = CASES[name][1]["lr"]
+        budget = budget + lr * _window_bound(ref_opt, CASES[name][1][kind[1]], kind[0]) + 2 * U32 * reference.abs()
+        gap = max(gap, float(((sharded - reference).abs() / budget).max()))
+    return {"gap": gap, "bytes": opt.shard_group.bytes_all_reduced, "calls": opt.shard_group.all_reduce_calls,
+            "state_bytes": opt.state_bytes(), "expected_state_bytes": opt.expected_state_bytes()
+            if hasattr(opt, "expected_state_bytes") else None,
+            "ref_state_bytes": ref_opt.state_bytes(),
+            "window_shape": tuple(opt.state[params[0]]["ring_grads"].shape) if name in ("MFAC", "GGT") else None}
+
+
+def _refusals(rank, mesh):
+    import tritonopt
+
+    model = _sharded_model(mesh)
+    attempts = {
+        "FOSI": lambda: tritonopt.optim.FOSI(model.parameters(), lr=0.1),
+        "LowRankMFAC": lambda: tritonopt.optim.LowRankMFAC(model.parameters(), lr=0.1),
+        "FlatSGD": lambda: tritonopt.optim.FlatSGD(model.parameters(), lr=0.1),
+        "KFACPreconditioner": lambda: tritonopt.optim.KFACPreconditioner(model),
+        "track_error_norm": lambda: tritonopt.optim.SparseMFAC(model.parameters(), track_error_norm=True),
+        "mixed": lambda: tritonopt.optim.MFAC([*model.parameters(), torch.nn.Parameter(torch.zeros(3))]),
+        "disagree": lambda: tritonopt.optim.MFAC(model.parameters(), lr=0.1 * (rank + 1), ngrads=NGRADS),
+    }
+    seen = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            seen[name] = None
+        except (ValueError, RuntimeError) as error:
+            seen[name] = f"{type(error).__name__}: {error}"
+    return seen
+
+
+def _skip_together(rank, mesh):
+    """A NaN in one rank's shard makes both ranks skip the step (no rank waits on the other's all-reduce)."""
+    import warnings
+
+    model = _sharded_model(mesh)
+    opt = _optimizer("MFAC", model.parameters())
+    _backward(model, rank, 0)
+    if rank == 1:
+        next(model.parameters()).grad.to_local()[0, 0] = float("nan")
+    before = [p.to_local().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    return {"skipped": opt.skipped_steps,
+            "unchanged": all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))}
+
+
+def _run(model, opt, rank, steps):
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        _backward(model, rank, step)
+        opt.step()
+    return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+
+
+def _checkpoints(rank, mesh, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import tritonopt
+
+    results = {}
+    for name in ("SparseMFAC", "SparseAdaGrad"):
+        kwargs = dict(density=0.3, block_size=8) if name == "SparseMFAC" else dict(density=0.5, block_size=8)
+        model = _sharded_model(mesh)
+        opt = _optimizer(name, model.parameters(), **kwargs, **({"momentum": 0.5} if name == "SparseMFAC" else {}))
+        _run(model, opt, rank, range(3))
+        path = f"{directory}/{name}"
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=path)
+        buffer = io.BytesIO()
+        torch.save({"model": [p.detach().clone() for p in model.parameters()], "optim": opt.state_dict()}, buffer)
+        uninterrupted = _run(model, opt, rank, range(3, STEPS))
+
+        model2 = _sharded_model(mesh)
+        opt2 = _optimizer(name, model2.parameters(), **kwargs, **({"momentum": 0.5} if name == "SparseMFAC" else {}))
+        template = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+        dcp.load(template, checkpoint_id=path)
+        set_model_state_dict(model2, template["model"])
+        set_optimizer_state_dict(model2, opt2, template["optim"])
+        via_dcp = _run(model2, opt2, rank, range(3, STEPS))
+
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=True)
+        model3 = _sharded_model(mesh)
+        opt3 = _optimizer(name, model3.parameters(), **kwargs, **({"momentum": 0.5} if name == "SparseMFAC" else {}))
+        with torch.no_grad():
+            for p, value in zip(model3.parameters(), saved["model"]):
+                p.copy_(value)
+        opt3.load_state_dict(saved["optim"])
+        via_state_dict = _run(model3, opt3, rank, range(3, STEPS))
+
+        plain = _optimizer(name, _model().parameters(), **kwargs,
+                           **({"momentum": 0.5} if name == "SparseMFAC" else {}))
+        try:
+            plain.load_state_dict(saved["optim"])
+            refused = None
+        except ValueError as error:
+            refused = str(error)
+        results[name] = {"dcp": torch.equal(via_dcp, uninterrupted),
+                         "state_dict": torch.equal(via_state_dict, uninterrupted), "unsharded_refused": refused}
+    return results
+
+
+def _scenario(rank, world, directory):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {"fsdp": {}, "explicit": {}}
+    for name in CASES:
+        out["fsdp"][name] = _compare_fsdp(rank, mesh, name)
+        out["explicit"][name] = _explicit_dtensors(rank, mesh, name)
+    out["refusals"] = _refusals(rank, mesh)
+    out["skip"] = _skip_together(rank, mesh)
+    out["checkpoints"] = _checkpoints(rank, mesh, directory)
+    out["local_rows"] = [p.to_local().shape[0] for p in _sharded_model(mesh).parameters()]
+    return out
+
+
+# ---------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_on_ranks(WORLD, _scenario, str(tmp_path_factory.mktemp("dcp")), timeout=400)
+
+
+def test_shapes_are_uneven(ranks):
+    assert ranks[0]["local_rows"] == [7, 7, 2, 2] and ranks[1]["local_rows"] == [6, 6, 1, 1]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fully_sharded_model_equals_unsharded(ranks, name):
+    for result in ranks:
+        seen = result["fsdp"][name]
+        if CASES[name][2] is None:  # every entry kept: elementwise, so bit for bit
+            assert seen["exact"]
+        else:
+            assert seen["gap_over_bound"] <= 1.0, seen
+        assert seen["lr"] == pytest.approx(CASES[name][1]["lr"] * 0.5 ** (STEPS // 2))  # the scheduler reached it
+        assert seen["grads_none"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_shard_and_replicate_placements_equal_unsharded(ranks, name):
+    for result in ranks:
+        seen = result["explicit"][name]
+        if CASES[name][2] is None:
+            assert seen["gap"] == 0.0
+        else:
+            assert seen["gap"] <= 1.0, seen
+
+
+@pytest.mark.parametrize("name", ["MFAC", "SparseMFAC", "GGT", "SparseGGT"])
+def test_one_all_reduce_of_m_products_per_step(ranks, name):
+    # Per step: the m float64 products, and one float32 for the ranks' common gradient-norm check.
+    for result in ranks:
+        seen = result["explicit"][name]
+        assert seen["bytes"] == STEPS * (8 * NGRADS + 4)
+        assert seen["calls"] == 2 * STEPS
+
+
+@pytest.mark.parametrize("name", ["MFAC", "GGT"])
+def test_each_rank_keeps_its_share_of_the_window(ranks, name):
+    d = 13 * 5 + 3 * 13 + 7
+    span = 7 * 5 + 2 * 13 + 7  # rank 0's part, the fullest: every rank's window is padded to it
+    for result in ranks:
+        seen = result["explicit"][name]
+        assert seen["window_shape"] == (NGRADS, span)
+        assert seen["state_bytes"] == seen["expected_state_bytes"]
+        replicated = 8 * NGRADS * NGRADS + 4 * 3  # dots and the three step counters
+        # the window's columns and the packed gradient; sharded, also the replicated bias's column weights
+        assert seen["ref_state_bytes"] == replicated + 4 * NGRADS * d + 4 * d
+        assert seen["state_bytes"] == replicated + 4 * NGRADS * span + 2 * 4 * span
+
+
+def test_unsupported_optimizers_refuse_dtensors(ranks):
+    for result in ranks:
+        refusals = result["refusals"]
+        for name in ("FOSI", "LowRankMFAC", "FlatSGD", "KFACPreconditioner"):
+            assert refusals[name] is not None and "does not support DTensor" in refusals[name], refusals[name]
+        assert "LowRankMFAC" in refusals["LowRankMFAC"] and "power iteration" in refusals["LowRankMFAC"]
+        assert "track_error_norm" in refusals["track_error_norm"]
+        assert "mixed with plain tensors" in refusals["mixed"]
+
+
+def test_ranks_with_other_settings_fail_naming_the_setting(ranks):
+    for result in ranks:
+        message = result["refusals"]["disagree"]
+        assert message is not None and "param_groups[0].lr" in message
+        assert "rank 0 has 0.1" in message and "rank 1 has 0.2" in message
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(ranks):
+    for result in ranks:
+        assert result["skip"] == {"skipped": 1, "unchanged": True}
+
+
+@pytest.mark.parametrize("name", ["SparseMFAC", "SparseAdaGrad"])
+def test_checkpoints_resume_bit_for_bit(ranks, name):
+    for result in ranks:
+        seen = result["checkpoints"][name]
+        assert seen["dcp"] and seen["state_dict"]
+        assert seen["unsharded_refused"] is not None and "cannot reshard" in seen["unsharded_refused"], seen
