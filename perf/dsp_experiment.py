@@ -387,7 +387,7 @@ def run_ranks(setup: Setup, timeout: float = 3600.0) -> list[dict]:
             rank, status, value = results.get(timeout=timeout)
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            out[rank] = torch.load(io.BytesIO(value), weights_only=True)
     except queue.Empty:
         raise RuntimeError(f"timed out after {timeout} s") from None
     finally:

@@ -248,7 +248,7 @@ def run_on_gloo_ranks(world: int, target: Callable, setup: DigitsSetup, data) ->
     """``[target(rank, world, setup, data) for every rank]``, each rank a spawned process of one gloo group."""
     with tempfile.TemporaryDirectory() as result_dir:
         mp.spawn(_rank_main, args=(world, _free_port(), target, setup, data, result_dir), nprocs=world, join=True)
-        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 
 def comm_rows(run: str, rank: int, comm: CountingCommunicator) -> list[dict]:
