@@ -58,6 +58,7 @@ import contextlib
 import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
+from tritonopt.kernels._alignment import alignment, assume_multiple
 
 # Longest chunk of one row's k entries handled per loop iteration.
 MAX_BLOCK_K = 1024
@@ -92,7 +93,9 @@ def _sparse_sp_kernel(
     m_bucket,  # autotune key only
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_ALIGN: tl.constexpr,  # a power of two dividing k
 ):
+    k = assume_multiple(k, K_ALIGN)  # rows start K_ALIGN-aligned: vector loads of indices and values
     # Row tiles vary fastest over the flat grid: the programs running together
     # share one d-block, so its slice of x (4 * block_size bytes) stays in L1/L2.
     pid = tl.program_id(0)
@@ -130,7 +133,9 @@ def _sparse_lcg_kernel(
     m_bucket,  # autotune key only
     BLOCK_K: tl.constexpr,
     ZERO: tl.constexpr,
+    K_ALIGN: tl.constexpr,  # a power of two dividing k
 ):
+    k = assume_multiple(k, K_ALIGN)  # rows start K_ALIGN-aligned: vector loads of indices and values
     blk = tl.program_id(0).to(tl.int64)
     out_base = out_ptr + blk * block_size
     lanes = tl.arange(0, ZERO)
@@ -181,7 +186,9 @@ def _ring_insert_kernel(
     m,
     k,
     BLOCK_K: tl.constexpr,
+    K_ALIGN: tl.constexpr,  # a power of two dividing k
 ):
+    k = assume_multiple(k, K_ALIGN)  # rows start K_ALIGN-aligned: vector loads and stores
     blk = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     dst = (blk * m + slot) * k
@@ -216,7 +223,8 @@ def sparse_sp_triton(indices: torch.Tensor, values: torch.Tensor, x: torch.Tenso
 
     with _device_guard(x):
         _sparse_sp_kernel[grid](
-            indices, values, x, partial, m, k, block_size, next_power_of_2(m), BLOCK_K=block_k
+            indices, values, x, partial, m, k, block_size, next_power_of_2(m), BLOCK_K=block_k,
+            K_ALIGN=alignment(k),
         )
     return partial.sum(dim=0)
 
@@ -234,7 +242,7 @@ def sparse_lcg_triton(
     with _device_guard(values):
         _sparse_lcg_kernel[(num_blocks,)](
             indices, values, weights, out, m, k, block_size, next_power_of_2(m),
-            BLOCK_K=_block_k(k), ZERO=min(ZERO_TILE, next_power_of_2(block_size)),
+            BLOCK_K=_block_k(k), ZERO=min(ZERO_TILE, next_power_of_2(block_size)), K_ALIGN=alignment(k),
             enable_fp_fusion=False,
         )
     return out
@@ -253,7 +261,7 @@ def sparse_ring_insert_triton(
         return
     with _device_guard(values):
         _ring_insert_kernel[(num_blocks,)](
-            indices, values, new_indices, new_values, slot, m, k, BLOCK_K=_block_k(k)
+            indices, values, new_indices, new_values, slot, m, k, BLOCK_K=_block_k(k), K_ALIGN=alignment(k)
         )
 
 
