@@ -55,6 +55,7 @@ import math
 import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton, candidate_configs
+from tritonopt.kernels._alignment import alignment, assume_multiple
 
 BASES = ("sgd", "heavy_ball", "adam")
 _BASE_CODE = {"sgd": 0, "heavy_ball": 1, "adam": 2}
@@ -98,7 +99,9 @@ def _fosi_coefficients_kernel(
     n_bucket,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_v
 ):
+    stride_v = assume_multiple(stride_v, STRIDE_ALIGN)  # rows of V start aligned: vector loads
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if (pid + 1) * BLOCK_N <= n:  # interior: a bound known to be a multiple of BLOCK_N (vector loads)
@@ -157,7 +160,9 @@ def _fosi_base_kernel(
     BASE: tl.constexpr,  # 0 sgd, 1 heavy_ball, 2 adam
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_v
 ):
+    stride_v = assume_multiple(stride_v, STRIDE_ALIGN)  # rows of V start aligned: vector loads
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if (pid + 1) * BLOCK_N <= n:  # interior: a bound known to be a multiple of BLOCK_N (vector loads)
@@ -223,7 +228,9 @@ def _fosi_project_out_kernel(
     n_bucket,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_v
 ):
+    stride_v = assume_multiple(stride_v, STRIDE_ALIGN)  # rows of V start aligned: vector loads
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if (pid + 1) * BLOCK_N <= n:  # interior: a bound known to be a multiple of BLOCK_N (vector loads)
@@ -295,10 +302,12 @@ def fosi_step_triton(
     step_size, bc2_sqrt = adam_scalars(lr, beta1, beta2, step) if base == "adam" else (0.0, 1.0)
     dummy = param  # never read: the BASE constexpr prunes the loads
     stride_v = basis.stride(0) if r > 0 else n
+    stride_align = alignment(stride_v)
     with _device_guard(param):
         if r > 0:
             partial = torch.zeros((max_programs, r), dtype=torch.float32, device=param.device)
-            _fosi_coefficients_kernel[grid](basis, grad, partial, n, r, stride_v, n_bucket, BLOCK_R=block_r)
+            _fosi_coefficients_kernel[grid](basis, grad, partial, n, r, stride_v, n_bucket, BLOCK_R=block_r,
+                                            STRIDE_ALIGN=stride_align)
             coef = partial.sum(dim=0)
             newton = newton_coefficients(coef, newton_scale, g1_velocity, g1_decay, g1_gain)
         else:
@@ -310,12 +319,12 @@ def fosi_step_triton(
             state_b if state_b is not None else dummy,
             partial_e, n, r, stride_v, lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2,
             step_size, bc2_sqrt, eps, base_scale, n_bucket,
-            BASE=_BASE_CODE[base], BLOCK_R=block_r,
+            BASE=_BASE_CODE[base], BLOCK_R=block_r, STRIDE_ALIGN=stride_align,
         )
         if r > 0:
             e = partial_e.sum(dim=0)
             _fosi_project_out_kernel[grid](param, basis, e, n, r, stride_v, base_scale, n_bucket,
-                                           BLOCK_R=block_r)
+                                           BLOCK_R=block_r, STRIDE_ALIGN=stride_align)
 
 
 # --------------------------------------------------------------------------- reference

@@ -45,6 +45,7 @@ import contextlib
 import torch
 
 from tritonopt._runtime import autotune, candidate_configs, cdiv, jit, next_power_of_2, tl, triton
+from tritonopt.kernels._alignment import alignment, assume_multiple
 
 def _gs_configs():
     # (8, 2048) with 8 warps spilled on sm_90 with Triton 3.6: (4, 2048) holds half the tile.
@@ -88,7 +89,9 @@ def _gs_coefficients_kernel(
     rows_bucket,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_d
 ):
+    stride_d = assume_multiple(stride_d, STRIDE_ALIGN)  # rows of the basis start aligned: vector loads
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     # Interior programs mask with a bound the compiler knows is a multiple of
@@ -137,7 +140,9 @@ def _gs_subtract_kernel(
     rows_bucket,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_d
 ):
+    stride_d = assume_multiple(stride_d, STRIDE_ALIGN)  # rows of the basis start aligned: vector loads
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if (pid + 1) * BLOCK_N <= n_cols:  # interior: a bound known to be a multiple of BLOCK_N
@@ -172,7 +177,7 @@ def gram_schmidt_coefficients_triton(basis: torch.Tensor, h: torch.Tensor, num_r
     with _device_guard(basis):
         _gs_coefficients_kernel[_grid(n_cols)](
             basis, h, partial, n_cols, num_rows, basis.stride(0),
-            next_power_of_2(n_cols), next_power_of_2(num_rows),
+            next_power_of_2(n_cols), next_power_of_2(num_rows), STRIDE_ALIGN=alignment(basis.stride(0)),
         )
     return partial.sum(dim=0)
 
@@ -192,6 +197,7 @@ def gram_schmidt_subtract_triton(
         _gs_subtract_kernel[_grid(n_cols)](
             basis, h, coef, out, sq_partial, n_cols, num_rows, basis.stride(0),
             next_power_of_2(n_cols), next_power_of_2(max(num_rows, 1)),
+            STRIDE_ALIGN=alignment(basis.stride(0)),
         )
     return out, sq_partial.sum()
 

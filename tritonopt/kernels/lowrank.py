@@ -50,6 +50,7 @@ import contextlib
 import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
+from tritonopt.kernels._alignment import alignment, assume_multiple
 
 GRAM_SCHMIDT_EPS = 1e-8
 # Relative norm below which a column counts as dependent on the previous ones.
@@ -87,7 +88,9 @@ def _accumulate_project_kernel(
     R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    P_ALIGN: tl.constexpr,  # a power of two dividing p
 ):
+    p = assume_multiple(p, P_ALIGN)  # rows start P_ALIGN-aligned: vector loads
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     segment = tl.program_id(1)
     row_ok = rows < n
@@ -125,7 +128,9 @@ def _back_project_kernel(
     R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    P_ALIGN: tl.constexpr,  # a power of two dividing p
 ):
+    p = assume_multiple(p, P_ALIGN)  # rows start P_ALIGN-aligned: vector loads
     cols = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     segment = tl.program_id(1)
     col_ok = cols < p
@@ -158,7 +163,9 @@ def _residual_kernel(
     R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    P_ALIGN: tl.constexpr,  # a power of two dividing p
 ):
+    p = assume_multiple(p, P_ALIGN)  # rows start P_ALIGN-aligned: vector loads
     # One flat grid axis: the second axis is limited to 65535 programs on CUDA.
     pid = tl.program_id(0)
     col_tiles = (p + BLOCK_P - 1) // BLOCK_P
@@ -240,7 +247,7 @@ def lowrank_ef_triton(
         out_p.zero_()
         return out_p, _keep_warm_start(out_p, q, out_q.zero_())
     meta = dict(R=max(2, next_power_of_2(rank)), BLOCK_N=min(TILE_ROWS, max(2, next_power_of_2(n))),
-                BLOCK_P=min(TILE_COLS, max(2, next_power_of_2(cols))))
+                BLOCK_P=min(TILE_COLS, max(2, next_power_of_2(cols))), P_ALIGN=alignment(cols))
     row_tiles, col_tiles = cdiv(n, meta["BLOCK_N"]), cdiv(cols, meta["BLOCK_P"])
     col_segments, col_tiles_per_segment = split_reduction(col_tiles, row_tiles)
     row_segments, row_tiles_per_segment = split_reduction(row_tiles, col_tiles)
