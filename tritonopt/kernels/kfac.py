@@ -60,6 +60,7 @@ import functools
 import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
+from tritonopt.kernels._alignment import alignment, assume_multiple
 
 PRECISIONS = ("tf32x3", "ieee", "tf32")
 DEFAULT_PRECISION = "tf32x3"
@@ -443,13 +444,20 @@ def triu_numel(dim: int) -> int:
 def _triu_pack_kernel(
     mat_ptr, out_ptr, dim, stride_r, stride_c, scale,
     BLOCK: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,  # a power of two dividing dim and stride_r
 ):
+    dim = assume_multiple(dim, ROW_ALIGN)
+    stride_r = assume_multiple(stride_r, ROW_ALIGN)
     row = tl.program_id(0).to(tl.int64)
-    cols = row + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < dim
-    values = tl.load(mat_ptr + row * stride_r + cols * stride_c, mask=mask, other=0.0).to(tl.float32)
+    # Chunks start at the last ROW_ALIGN-aligned column at or before the diagonal,
+    # so that rows load in vectors; the few entries left of the diagonal are loaded
+    # but not stored.
+    cols = row // ROW_ALIGN * ROW_ALIGN + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < dim
+    values = tl.load(mat_ptr + row * stride_r + cols * stride_c, mask=in_row, other=0.0).to(tl.float32)
     start = row * dim - row * (row - 1) // 2
-    tl.store(out_ptr + start + (cols - row), (values * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + start + (cols - row), (values * scale).to(out_ptr.dtype.element_ty),
+             mask=in_row & (cols >= row))
 
 
 @jit
@@ -471,6 +479,11 @@ def _pack_block(dim: int) -> int:
     return min(1024, max(16, next_power_of_2(dim)))
 
 
+def _pack_warps(block: int) -> int:
+    """Warps for a ``block``-wide row chunk: at least four entries per thread from 128 on, so they load as vectors."""
+    return min(4, max(1, block // 128))
+
+
 def triu_pack_triton(matrix: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     dim = matrix.shape[0]
     out = torch.empty(triu_numel(dim), dtype=dtype, device=matrix.device)
@@ -479,7 +492,8 @@ def triu_pack_triton(matrix: torch.Tensor, dtype: torch.dtype, scale: float = 1.
     block = _pack_block(dim)
     with _device_guard(matrix):
         _triu_pack_kernel[(dim, cdiv(dim, block))](
-            matrix, out, dim, matrix.stride(0), matrix.stride(1), float(scale), BLOCK=block
+            matrix, out, dim, matrix.stride(0), matrix.stride(1), float(scale), BLOCK=block,
+            ROW_ALIGN=alignment(dim, matrix.stride(0)), num_warps=_pack_warps(block),
         )
     return out
 
@@ -490,7 +504,8 @@ def triu_unpack_triton(packed: torch.Tensor, dim: int, dtype: torch.dtype, scale
         return out
     block = _pack_block(dim)
     with _device_guard(packed):
-        _triu_unpack_kernel[(dim, cdiv(dim, block))](packed, out, dim, float(scale), BLOCK=block)
+        _triu_unpack_kernel[(dim, cdiv(dim, block))](packed, out, dim, float(scale), BLOCK=block,
+                                                      num_warps=_pack_warps(block))
     return out
 
 
