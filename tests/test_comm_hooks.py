@@ -333,8 +333,9 @@ LOWRANK_EDITS = {
 def checkpoint_refusals(rank):
     """Edited state dicts, each loaded on both ranks: what each rank raised, and whether its state stayed."""
     out = {}
-    for name, hook, state_class, settings, edits in (("topk", ef_topk_hook, EFTopKState, TOPK, TOPK_EDITS),
-                                                     ("lowrank", lowrank_ef_hook, LowRankState, LOWRANK, LOWRANK_EDITS)):
+    for name, hook, state_class, settings, edits in (
+            ("topk", ef_topk_hook, EFTopKState, TOPK, TOPK_EDITS),
+            ("lowrank", lowrank_ef_hook, LowRankState, LOWRANK, LOWRANK_EDITS)):
         model = MisorderedMLP()
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
         state = state_class(**settings)
@@ -355,6 +356,20 @@ def checkpoint_refusals(rank):
             results[edit] = (raised, _same_state(before, state.state_dict()))
         state.load_state_dict(good)
         results["reloaded"] = _same_state(good, state.state_dict())
+        # A new process's state has not met its model yet: another model is refused at the first hook call.
+        other = ForwardOrderMLP()
+        ddp = nn.parallel.DistributedDataParallel(other, bucket_cap_mb=BUCKET_CAP_MB)
+        state = state_class(**settings)
+        state.load_state_dict(good)
+        ddp.register_comm_hook(state, hook)
+        x, y = batches(rank, 1)[0]
+        before = [p.detach().clone() for p in other.parameters()]
+        try:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            results["other model at the first hook call"] = None
+        except ValueError as error:
+            results["other model at the first hook call"] = str(error)
+        results["other model untouched"] = all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
         out[name] = results
     return out
 
@@ -699,6 +714,10 @@ def test_a_refused_state_dict_raises_on_every_rank_and_changes_nothing(results, 
                 assert (f"rank {ranks[0]} refused while loading its state: ValueError: {layer}.load_state_dict"
                         in raised[1])
         assert refusals["reloaded"]
+        assert (f"{layer}: parameter 0 (in the order the hook first meets them) has shape (24, 6) and dtype "
+                f"torch.float32, but the loaded state was saved for (10, 24) and torch.float32"
+                in refusals["other model at the first hook call"])
+        assert refusals["other model untouched"]
 
 
 def test_refused_state_dicts_name_the_field(results):

@@ -105,7 +105,10 @@ world size and the rank. It loads with ``torch.load(weights_only=True)``; every
 rank saves its own and loads it back with ``load_state_dict`` (a collective,
 label ``load_state_dict``), which refuses a state saved for other settings,
 another rank or world size, or with a malformed field, with a ``ValueError``
-naming the field, before changing anything. Restarted from such a checkpoint
+naming the field, before changing anything. A state that has not met its model
+yet (a new process) checks the model at the first hook call after loading: a
+parameter whose shape or dtype differs from the saved one raises ``ValueError``
+there (from ``backward()``), before the hook compresses anything. Restarted from such a checkpoint
 (with the model and the optimizer), a run continues bit for bit as it would
 have: in its first iteration DDP uses its initial buckets again, and the Top-k
 hook compresses them in the saved buckets' blocks (each saved bucket lying
@@ -128,7 +131,6 @@ from tritonopt._validation import FLOAT_DTYPES, check_float, check_int, check_te
 from tritonopt.dist._agreement import check_ranks_agree
 from tritonopt.dist._collective_guard import GuardedCommunicator, group_timeout, resolve_timeout, timed_group
 from tritonopt.dist._comm import CountingCommunicator
-
 from tritonopt.ops import densify_blocks, ef_topk, lowrank_ef
 
 __all__ = ["EFTopKState", "LowRankState", "ef_topk_hook", "lowrank_ef_hook"]
@@ -518,7 +520,8 @@ class EFTopKState(_HookState):
         if self._pending is not None:
             buckets = [(s.index, s.keys, None if s.error is None else s.error.clone()) for s in self._pending]
         elif self._buckets:
-            buckets = [(i, r.keys, r.flat_error.detach().to("cpu", copy=True)) for i, r in sorted(self._buckets.items())]
+            buckets = [(i, record.keys, record.flat_error.detach().to("cpu", copy=True))
+                       for i, record in sorted(self._buckets.items())]
         else:
             buckets = [(i, keys, None) for i, keys in sorted(self._layout_last.items())]
         return {**self._common_state(),
@@ -885,8 +888,8 @@ class LowRankState(_HookState):
         for index in sorted(layout):
             for key in layout[index]:
                 shape = self.compressed_shape(self._loaded_parameters[key][0])
-                if shape is None or key in self._loaded or key < len(self._parameters) and \
-                        id(self._parameters[key]) in self._tensors:
+                met = key < len(self._parameters) and id(self._parameters[key]) in self._tensors
+                if shape is None or key in self._loaded or met:
                     continue
                 n, m, r = shape
                 initial_q = torch.randn((m, r), generator=self._generator, dtype=torch.float32)
