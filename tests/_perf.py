@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import csv
 import functools
 import importlib
@@ -78,3 +79,21 @@ def output_of(result: subprocess.CompletedProcess) -> str:
 def read_csv(path: Path) -> list[dict]:
     with Path(path).open(newline="") as handle:
         return list(csv.DictReader(handle))
+
+
+@contextlib.contextmanager
+def modules_set_aside(*packages: str):
+    """Set the imported modules of ``packages`` aside for the block, where a fake checkout
+    imports its own under the same names, and put them back after."""
+    def named(name: str) -> bool:
+        return name.split(".")[0] in packages
+
+    saved = {name: module for name, module in sys.modules.items() if named(name)}
+    for name in saved:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        for name in [name for name in sys.modules if named(name)]:
+            del sys.modules[name]
+        sys.modules.update(saved)

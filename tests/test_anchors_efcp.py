@@ -6,7 +6,6 @@ every pair agree after 3 steps within the pair's bound. Fake checkouts show how 
 treats one that does not import, and that its stand-in logging modules stay its own.
 """
 
-import contextlib
 import copy
 import os
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _perf import modules_set_aside
 
 from perf import _harness as harness
 from perf.anchors import AnchorBroken, AnchorMissing, _stub_module, efcp
@@ -98,24 +98,6 @@ def test_pairs_agree_with_the_checkout():
         # The steps moved theta far more than the bound.
         assert (theirs - start).abs().max() > 100 * pair.rtol * scale, pair.name
         assert (ours - theirs).abs().max() <= pair.rtol * scale, pair.name
-
-
-@contextlib.contextmanager
-def modules_set_aside(*packages: str):
-    """Set the imported modules of ``packages`` aside for the block, where a fake checkout
-    imports its own under the same names, and put them back after."""
-    def named(name: str) -> bool:
-        return name.split(".")[0] in packages
-
-    saved = {name: module for name, module in sys.modules.items() if named(name)}
-    for name in saved:
-        del sys.modules[name]
-    try:
-        yield
-    finally:
-        for name in [name for name in sys.modules if named(name)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
 
 
 def fake_checkout(anchors_dir: Path, sparse_source: str) -> None:

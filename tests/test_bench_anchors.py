@@ -16,7 +16,7 @@ import torch
 
 import tritonopt
 
-from _perf import REPO_ROOT, output_of, perf_module, read_csv, run_script
+from _perf import REPO_ROOT, modules_set_aside, output_of, perf_module, read_csv, run_script
 from perf import _harness as harness
 from perf._digits import make_mlp
 from perf._optimizers import OptimizerStep
@@ -91,24 +91,6 @@ def test_make_anchors_fetches_every_checkout_at_a_pinned_commit():
     makefile = (REPO_ROOT / "Makefile").read_text()
     for folder, repository in CHECKOUTS.items():
         assert re.search(rf"\b{folder}={repository}@[0-9a-f]{{40}}\b", makefile), folder
-
-
-@contextlib.contextmanager
-def modules_set_aside(*packages: str):
-    """Set the imported modules of ``packages`` aside for the block, where a fake checkout
-    imports its own under the same names, and put them back after."""
-    def named(name: str) -> bool:
-        return name.split(".")[0] in packages
-
-    saved = {name: module for name, module in sys.modules.items() if named(name)}
-    for name in saved:
-        del sys.modules[name]
-    try:
-        yield
-    finally:
-        for name in [name for name in sys.modules if named(name)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
 
 
 def write_files(root: Path, files: dict[str, str]) -> None:
