@@ -13,11 +13,19 @@ A compiled variant fails the gate on
 
 * a compile error,
 * more than ``SPILL_BUDGET_BYTES`` of register spill stores (from the ptxas log),
-* more than ``H100_SHARED_BYTES_PER_BLOCK`` of shared memory (it could not launch).
+* more than ``H100_SHARED_BYTES_PER_BLOCK`` of shared memory (it could not launch),
+* global loads that are all scalar, in a bandwidth-bound kernel (every kernel
+  but those of ``COMPUTE_BOUND_KERNELS``): the PTX has ``ld.global`` but no
+  ``ld.global.v2`` / ``.v4``, so each thread moves one element per instruction
+  and the kernel cannot reach the bandwidth its floor assumes. The launches where
+  no vector load is possible are listed, with the reason, in
+  ``SCALAR_LOAD_EXCEPTIONS``; the full sweep also fails on an exception that no
+  variant needs any more.
 
 The default suite compiles, for every kernel, the config it runs with at each
 shape (the pinned config, or the first config left after shape pruning), at
-one representative shape per kernel; ``-m compile`` (``make compile-check``)
+one representative shape per kernel (one where it must load vectors, if any,
+preferably BERT-base's); ``-m compile`` (``make compile-check``)
 sweeps every config of every autotune space at every distinct specialisation
 of both models.
 
@@ -38,6 +46,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,6 +58,68 @@ H100_SHARED_BYTES_PER_BLOCK = 227 * 1024
 SPILL_BUDGET_BYTES = 0
 
 KERNEL_MODULES = ("ef_topk", "sparse_ring", "lowrank", "kfac", "lanczos", "fosi_step")
+
+# Kernels whose time goes to the tensor cores, not to loads: their operand tiles
+# reach shared memory through cp.async, which the ld.global count does not see.
+COMPUTE_BOUND_KERNELS = {
+    "kfac._factor_update_kernel": "a tensor-core GEMM (X^T X); its ld.global read the old factor once, "
+                                  "in the epilogue",
+    "kfac._gemm_epilogue_kernel": "a tensor-core GEMM; its ld.global read the epilogue's operands once",
+}
+
+
+@dataclass(frozen=True)
+class ScalarLoadException:
+    """Launches of one kernel whose global loads cannot be vectors, and why."""
+
+    kernel: str
+    reason: str
+    # Whether the reason holds for a launch: its arguments by name, constexprs and num_warps included.
+    applies: Callable[[dict], bool]
+
+
+def _odd(name: str) -> Callable[[dict], bool]:
+    return lambda arguments: arguments[name] % 2 == 1
+
+
+def _thread_share_within_a_word(*pointers: str) -> Callable[[dict], bool]:
+    """Whether each thread's share of a ``BLOCK_K`` row chunk, in the widest of ``pointers``' dtypes, is <= 4 bytes."""
+    def applies(arguments):
+        entries = arguments["BLOCK_K"] // (32 * arguments.get("num_warps", 4))
+        return entries * max(arguments[name].element_size() for name in pointers) <= 4
+    return applies
+
+
+_THREAD_SHARE_WITHIN_A_WORD = (
+    "a thread's share of a row chunk, BLOCK_K / (32 num_warps) entries, is at most 4 bytes (at k = 164: one "
+    "entry per thread with 8 warps, or two 16-bit ones with 4): one ld.global.b32 already moves all of it, "
+    "and the warp's loads coalesce")
+_ODD_ROW_LENGTH = ("an odd row length p (at the models' shapes, a Linear layer with its bias column): rows of "
+                   "the caller's gradient and error start at every alignment")
+SCALAR_LOAD_EXCEPTIONS = (
+    ScalarLoadException("kfac._triu_unpack_kernel",
+                        "row i of the packed triangle starts at i * dim - i * (i - 1) / 2, at every alignment, "
+                        "and half of each output row is a column of the triangle, one entry per packed row",
+                        lambda arguments: True),
+    ScalarLoadException("kfac._triu_pack_kernel",
+                        "an odd row stride (a [dim, dim] factor of odd dim, a layer with bias): rows start at "
+                        "every alignment", _odd("stride_r")),
+    ScalarLoadException("sparse_ring._sparse_lcg_kernel", _THREAD_SHARE_WITHIN_A_WORD,
+                        _thread_share_within_a_word("idx_ptr", "val_ptr")),
+    ScalarLoadException("sparse_ring._ring_insert_kernel", _THREAD_SHARE_WITHIN_A_WORD,
+                        _thread_share_within_a_word("new_idx_ptr", "new_val_ptr")),
+    ScalarLoadException("lowrank._accumulate_project_kernel", _ODD_ROW_LENGTH, _odd("p")),
+    ScalarLoadException("lowrank._back_project_kernel", _ODD_ROW_LENGTH, _odd("p")),
+    ScalarLoadException("lowrank._residual_kernel", _ODD_ROW_LENGTH, _odd("p")),
+)
+
+
+def scalar_load_exception(kernel: str, arguments: dict) -> str:
+    """The reason a launch of ``kernel`` may load only scalars, or "" where it must load vectors."""
+    for exception in SCALAR_LOAD_EXCEPTIONS:
+        if exception.kernel == kernel and exception.applies(arguments):
+            return exception.reason
+    return ""
 
 
 @dataclass
@@ -64,9 +135,16 @@ class Variant:
     registers: int = -1
     spill_bytes: int = -1
     shared_bytes: int = -1
-    vector_loads: int = -1  # ld.global.v2/.v4 instructions in the PTX (reported, not gated)
+    vector_loads: int = -1  # ld.global.v2/.v4 instructions in the PTX
     scalar_loads: int = -1  # single-element ld.global instructions
+    scalar_exception: str = ""  # why this launch may load only scalars (SCALAR_LOAD_EXCEPTIONS), or ""
     error: str = ""
+
+    def loads(self) -> str:
+        """"vector" (some ld.global.v2/.v4), "scalar" (ld.global, none of them vectors) or "none"."""
+        if self.vector_loads > 0:
+            return "vector"
+        return "scalar" if self.scalar_loads > 0 else "none"
 
     def problems(self) -> list[str]:
         if self.error:
@@ -76,6 +154,10 @@ class Variant:
             found.append(f"{self.spill_bytes} bytes of spill stores (budget {SPILL_BUDGET_BYTES})")
         if self.shared_bytes > H100_SHARED_BYTES_PER_BLOCK:
             found.append(f"{self.shared_bytes} bytes of shared memory (H100 limit {H100_SHARED_BYTES_PER_BLOCK})")
+        if (self.loads() == "scalar" and self.kernel not in COMPUTE_BOUND_KERNELS
+                and not self.scalar_exception):
+            found.append(f"{self.scalar_loads} scalar global loads and no vector load in a bandwidth-bound "
+                         "kernel (vectorise them, or add a justified SCALAR_LOAD_EXCEPTIONS entry)")
         return found
 
     def label(self) -> str:
@@ -217,8 +299,8 @@ def _model_launches(kernels: dict, model_names: list[str]) -> list[_Launch]:
                         empty(g, a), empty(a, a), empty(g, g), da=empty(a), dg=empty(g), damping=1e-3,
                         precision=precision,
                     )
-                label(f"{model_name} kfac factors {a} and {g}")
                 for dim in (a, g):
+                    label(f"{model_name} kfac factor {dim}x{dim}")
                     kfac.triu_pack_triton(empty(dim, dim), torch.bfloat16)
                     kfac.triu_unpack_triton(empty(dim * (dim + 1) // 2, dtype=torch.bfloat16), dim,
                                             torch.float32)
@@ -321,7 +403,10 @@ def _compile_job(job):
     launch = _LAUNCHES[launch_index]
     result = Variant(**variant)
     try:
-        kernel, log = _compile(_jit_function(launch.tuner), launch.args, kwargs)
+        jit_fn = _jit_function(launch.tuner)
+        arguments = {**dict(zip(jit_fn.arg_names, launch.args)), **kwargs}
+        result.scalar_exception = scalar_load_exception(launch.kernel, arguments)
+        kernel, log = _compile(jit_fn, launch.args, kwargs)
         result.registers, result.spill_bytes, result.shared_bytes = _resources(kernel, log)
         loads = _PTX_LOAD.findall(kernel.asm["ptx"])
         result.vector_loads = sum(1 for op in loads if ".v2" in op or ".v4" in op)
@@ -360,12 +445,20 @@ def run_gate(full: bool, models: list[str], workers: int, only: str = "") -> dic
     _LAUNCHES[:] = launches
     covered = {launch.kernel for launch in launches}
     selected = [(index, launch) for index, launch in enumerate(launches) if only in launch.kernel]
-    if not full:  # one representative shape per kernel: its first launch at the last model
-        first = {}
-        for index, launch in selected:
-            if launch.shape.startswith(models[-1] + " "):
-                first.setdefault(launch.kernel, (index, launch))
-        selected = list(first.values())
+    if not full:  # one representative shape per kernel: its first launch that must load vectors (no
+        # scalar-load exception covers it), at the last model if it has one; else its first at the last model
+        def preference(item):
+            index, launch = item
+            arguments = {**dict(zip(_jit_function(launch.tuner).arg_names, launch.args)), **launch.kwargs}
+            excepted = bool(scalar_load_exception(launch.kernel, arguments))
+            return excepted, not launch.shape.startswith(models[-1] + " "), index
+
+        representative = {}
+        for item in selected:
+            kernel = item[1].kernel
+            if kernel not in representative or preference(item) < preference(representative[kernel]):
+                representative[kernel] = item
+        selected = sorted(representative.values(), key=lambda item: item[0])
     jobs, seen = [], set()
     for index, launch in selected:
         for config_label, kwargs, used in _config_space(launch.tuner, launch):
@@ -414,13 +507,22 @@ def run_gate_subprocess(full: bool, models=("resnet18", "bert-base"), timeout: f
         return json.loads(out.read_text())
 
 
+def _loads_column(variant: Variant) -> str:
+    if variant.loads() != "scalar":
+        return variant.loads()
+    if variant.kernel in COMPUTE_BOUND_KERNELS:
+        return "scalar (GEMM)"
+    return "scalar (exc.)" if variant.scalar_exception else "SCALAR"
+
+
 def format_table(variants: list[dict]) -> str:
-    lines = [f"{'kernel':<42} {'regs':>4} {'spill':>6} {'smem':>7} {'ld.v':>4} {'ld.1':>4} {'used':>4}  "
-             "config / shape"]
+    """One line per variant; "loads" is vector, scalar (excepted or a GEMM), SCALAR (fails) or none."""
+    lines = [f"{'kernel':<42} {'regs':>4} {'spill':>6} {'smem':>7} {'ld.v':>4} {'ld.1':>4} {'loads':<13} "
+             f"{'used':>4}  config / shape"]
     for v in sorted(variants, key=lambda v: (v["kernel"], v["shape"], v["config"])):
         status = v["error"] or ""
         lines.append(f"{v['kernel']:<42} {v['registers']:>4} {v['spill_bytes']:>6} {v['shared_bytes']:>7} "
-                     f"{v['vector_loads']:>4} {v['scalar_loads']:>4} "
+                     f"{v['vector_loads']:>4} {v['scalar_loads']:>4} {_loads_column(Variant(**v)):<13} "
                      f"{'yes' if v['used'] else '':>4}  {v['config']} / {v['shape']} {status}")
     return "\n".join(lines)
 
@@ -442,6 +544,10 @@ def main(argv=None) -> int:
     else:
         print(f"triton {result['triton']}")
         print(format_table(result["variants"]))
+        excepted = {v["kernel"]: v["scalar_exception"] for v in result["variants"]
+                    if v["scalar_exception"] and Variant(**v).loads() == "scalar"}
+        for kernel, reason in sorted(excepted.items()):
+            print(f"scalar loads allowed in {kernel}: {reason}")
         if result["uncovered"]:
             print("no launch recorded for:", ", ".join(result["uncovered"]))
     return 0
@@ -491,7 +597,13 @@ def test_every_kernel_compiles_for_sm90_at_its_used_config():
 @pytest.mark.compile
 def test_every_config_compiles_for_sm90_at_model_shapes():
     """Full sweep: every config of every autotune space at every specialisation of both models."""
-    _assert_gate(run_gate_subprocess(full=True))
+    result = run_gate_subprocess(full=True)
+    _assert_gate(result)
+    # An exception no variant needs any more (its loads became vectors) must go: it would hide a regression.
+    needed = {(v["kernel"], v["scalar_exception"]) for v in result["variants"]
+              if v["scalar_exception"] and Variant(**v).loads() == "scalar"}
+    stale = [f"{e.kernel}: {e.reason}" for e in SCALAR_LOAD_EXCEPTIONS if (e.kernel, e.reason) not in needed]
+    assert not stale, "scalar-load exceptions that no variant needs:\n" + "\n".join(stale)
 
 
 def test_variant_problems_are_detected():
@@ -501,3 +613,44 @@ def test_variant_problems_are_detected():
     assert "spill" in Variant("k", "s", "c", True, 255, SPILL_BUDGET_BYTES + 4, 0).problems()[0]
     assert "shared" in Variant("k", "s", "c", True, 64, 0, 262_144).problems()[0]
     assert "compile error" in Variant("k", "s", "c", True, error="PTXASError").problems()[0]
+
+
+def test_scalar_only_loads_of_a_bandwidth_bound_kernel_fail_the_gate():
+    """Only vector loads pass a bandwidth-bound kernel, unless a listed reason covers the launch."""
+    def variant(kernel, vector, scalar, exception=""):
+        return Variant(kernel, "s", "c", True, 32, 0, 0, vector_loads=vector, scalar_loads=scalar,
+                       scalar_exception=exception)
+
+    assert variant("sparse_ring._sparse_sp_kernel", 8, 16).problems() == []  # a gather beside vectors
+    assert variant("sparse_ring._sparse_sp_kernel", 0, 0).problems() == []  # no global load at all
+    assert "scalar global loads" in variant("sparse_ring._sparse_sp_kernel", 0, 48).problems()[0]
+    assert variant("kfac._triu_unpack_kernel", 0, 8, "a reason").problems() == []
+    assert variant("kfac._gemm_epilogue_kernel", 0, 32).problems() == []  # compute-bound
+
+
+def test_scalar_load_exceptions_name_kernels_and_hold_only_where_their_reason_does():
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    def kernel_names(module_name):
+        module = __import__(f"tritonopt.kernels.{module_name}", fromlist=["_"])
+        return {f"{module_name}.{name}" for name, obj in vars(module).items()
+                if name.endswith("_kernel") and isinstance(obj, (JITFunction, KernelInterface))}
+
+    known = set().union(*(kernel_names(name) for name in KERNEL_MODULES))
+    for exception in SCALAR_LOAD_EXCEPTIONS:
+        assert exception.kernel in known and exception.kernel not in COMPUTE_BOUND_KERNELS, exception.kernel
+        assert len(exception.reason) > 40, exception.kernel
+    assert set(COMPUTE_BOUND_KERNELS) <= known
+    # Odd row lengths are excepted, even ones are not: an even p must load vectors.
+    assert scalar_load_exception("lowrank._residual_kernel", {"p": 769})
+    assert scalar_load_exception("lowrank._residual_kernel", {"p": 768}) == ""
+    assert scalar_load_exception("kfac._triu_pack_kernel", {"stride_r": 1024}) == ""
+    assert scalar_load_exception("sparse_ring._sparse_sp_kernel", {"k": 41}) == ""
+    # LCG at k = 164 (chunks of 256) with 4 warps: two entries per thread, 8 bytes with float32 values.
+    import torch
+
+    lcg = {"BLOCK_K": 256, "num_warps": 4, "idx_ptr": torch.empty(0, dtype=torch.int16, device="meta")}
+    assert scalar_load_exception("sparse_ring._sparse_lcg_kernel",
+                                 {**lcg, "val_ptr": torch.empty(0, dtype=torch.float32, device="meta")}) == ""
+    assert scalar_load_exception("sparse_ring._sparse_lcg_kernel",
+                                 {**lcg, "val_ptr": torch.empty(0, dtype=torch.bfloat16, device="meta")})

@@ -43,8 +43,9 @@ stays in registers (at most 64 elements per thread); the partial sums depend
 on it, so the three kernels are pinned per key (the same bits in every
 process). Every program but the last masks its columns with a bound that is a
 multiple of ``BLOCK_N``, so the length-``n`` vectors are loaded with vector
-instructions for any ``n``; the rows of ``V`` are, when its row stride is a
-multiple of 16 elements (``V`` may be a ``[:, :n]`` view of a wider buffer).
+instructions for any ``n``; the rows of ``V`` are, when its row stride is even
+(16-byte vectors from a multiple of 4 elements; ``V`` may be a ``[:, :n]`` view
+of a wider buffer): the launcher passes the stride's power-of-two divisor.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _smallest_block_n(kernel, **key_args) -> int:
           reset_to_zero=["partial_ptr"])
 @jit
 def _fosi_coefficients_kernel(
-    basis_ptr,  # [r, n], row stride stride_v (>= n; a multiple of 16 keeps loads vectorised)
+    basis_ptr,  # [r, n], row stride stride_v (>= n; an even one keeps loads vectorised)
     vec_ptr,  # [n] (grad: any float dtype)
     partial_ptr,  # [max_programs, r] output
     n,

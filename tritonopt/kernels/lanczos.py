@@ -79,7 +79,7 @@ def _coefficients_tile(basis_ptr, h_ptr, partial_ptr, pid, cols, col_bound, num_
 @autotune(_gs_configs, key=["cols_bucket", "rows_bucket"], pinned=True, reset_to_zero=["partial_ptr"])
 @jit
 def _gs_coefficients_kernel(
-    basis_ptr,  # [m, n_cols], row stride stride_d (a multiple of 16 keeps its loads vectorised)
+    basis_ptr,  # [m, n_cols], row stride stride_d (an even one keeps its loads vectorised)
     h_ptr,  # [n_cols]
     partial_ptr,  # [max_programs, num_rows] partial coefficients, output
     n_cols,

@@ -49,6 +49,9 @@ GPU design.
   write of ``4 * block_size`` bytes per block.
 * Values are upcast to float32 right after the load; everything accumulates in
   float32.
+* Rows are ``k`` entries apart: the launchers pass the largest power of two
+  dividing ``k`` (up to 16), so that e.g. rows of ``k = 164`` load in 16-byte
+  vectors (Triton itself only knows whether ``k`` is a multiple of 16).
 """
 
 from __future__ import annotations
