@@ -293,3 +293,52 @@ def test_the_window_state_is_what_a_checkpoint_saves_of_the_counters():
     counters = set(ssd_sgd_core.WindowState().saved())
     settings = {"rank", "world_size", "comm", "delay_steps", "warmup_steps", "layout", "trailer", "sync_buffers"}
     assert counters | settings == _SAVED_FIELDS and not counters & settings
+
+
+# --------------------------------------------------------------------------- misuse
+
+
+def test_phases_called_out_of_order_are_refused_without_changing_anything():
+    shadow = SimulatedRanks("shadow", 2, 2, 1)
+    core = shadow.cores[0]
+    with pytest.raises(RuntimeError, match="enter_delay_stage once, after the warm-up"):
+        core.enter_delay_stage()
+    shadow.step(0)
+    with pytest.raises(RuntimeError, match="prepare_warmup after the warm-up"):
+        core.prepare_warmup(scalars_at(1, 2))
+    core.enter_delay_stage()
+    before = core.flat.buffer.clone()
+    with pytest.raises(RuntimeError, match="pulled=True exactly when"):
+        core.local_step(scalars_at(1, 2), pulled=True)
+    with pytest.raises(RuntimeError, match="judge_sync without a synchronisation launched"):
+        core.judge_sync()
+    with pytest.raises(RuntimeError, match="consume_sync without a synchronisation ready"):
+        core.consume_sync()
+    with pytest.raises(ValueError, match="one dict per parameter group"):
+        core.local_step(scalars_at(1, 2)[:1], pulled=False)
+    assert torch.equal(core.flat.buffer, before) and core.window.steps == 1
+
+    replica = SimulatedRanks("replica", 2, 1, 0)
+    replica.step(0)  # k = 1: a pull is due at once
+    core = replica.cores[0]
+    with pytest.raises(RuntimeError, match="pull\\(\\) first when a pull is due"):
+        core.local_step(scalars_at(1, 1), pulled=False)
+    with pytest.raises(ValueError, match="summed must be a gradient buffer"):
+        core.apply_to_replica(torch.zeros(3, dtype=torch.float64), scalars_at(0, 1))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(world_size=0), ValueError, "world_size must be an int >= 1"),
+    (dict(delay_steps=0), ValueError, "delay_steps must be an int >= 1"),
+    (dict(warmup_steps=-1), ValueError, "warmup_steps must be an int >= 0"),
+    (dict(check_bits=2), ValueError, "check_bits must satisfy 3 <= check_bits <= 16"),
+    (dict(sync_buffers=[torch.zeros(2, dtype=torch.int64)]), ValueError, "floating-point tensors"),
+    (dict(flat="weights"), TypeError, "flat must be a FlatParameters"),
+])
+def test_bad_core_arguments_are_named(kwargs, error, match):
+    model = make_model()
+    args = dict(flat=FlatParameters(param_groups(model)), sync_buffers=[], world_size=2, delay_steps=2,
+                warmup_steps=1, check_bits=16)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        ShadowServerCore(args.pop("flat"), args.pop("sync_buffers"), **args)

@@ -99,8 +99,10 @@ class SSDSGDCheckpoints:
     """``state_dict``, ``check_state_dict`` and ``load_state_dict`` of :class:`~tritonopt.dist.SSDSGD`.
 
     Reads the optimizer's settings (``rank``, ``world_size``, ``comm_mode``,
-    ``delay_steps``, ``warmup_steps``, ``param_groups``), its core (``_core``) and
-    its transport (``_transport``), whose in-flight collectives are flushed first.
+    ``delay_steps``, ``warmup_steps``, ``param_groups`` and their check
+    ``_check_group``), its core (``_core``), its transport (``_transport``, whose
+    in-flight collectives are flushed first) and what the agreement check needs
+    (``_settings``, ``_collectives``, ``process_group``).
     """
 
     def state_dict(self) -> dict:

@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from tritonopt._runtime import nvtx_range
+from tritonopt._validation import check_int
 from tritonopt.dist.ssd_sgd_check import CHECK_ELEMENTS, check_agrees, step_digest, write_check
 from tritonopt.ops import ssd_sgd_step
 from tritonopt.optim import BlockLayout
@@ -53,6 +54,12 @@ def mismatch_message(first: int, last: int, *, discarded: bool) -> str:
     return ("SSDSGD: the ranks' step counts or hyperparameters (lr, momentum, weight decay, GLU "
             f"settings) differed during {what}; the exact mapping of the parameter server needs "
             "identical values on every rank, e.g. the same learning-rate schedule")
+
+
+def _require(condition: bool, what: str) -> None:
+    """A phase called out of order is a bug of the caller: say which order the core needs."""
+    if not condition:
+        raise RuntimeError(f"SSD-SGD core: {what}")
 
 
 def unpack_buffers(buffers: Sequence[torch.Tensor], flat: torch.Tensor, *, scale: float) -> None:
@@ -169,6 +176,15 @@ class SSDSGDCore:
 
     def __init__(self, flat: FlatParameters, sync_buffers: Sequence[torch.Tensor], *, world_size: int,
                  delay_steps: int, warmup_steps: int, check_bits: int):
+        if not isinstance(flat, FlatParameters):
+            raise TypeError(f"flat must be a FlatParameters, got {type(flat).__name__}")
+        check_int("world_size", world_size, low=1)
+        check_int("delay_steps", delay_steps, low=1)
+        check_int("warmup_steps", warmup_steps, low=0)
+        check_int("check_bits", check_bits, low=3, high=16)
+        for b in sync_buffers:
+            if not isinstance(b, torch.Tensor) or not b.is_floating_point() or b.device != flat.buffer.device:
+                raise ValueError(f"sync_buffers must be floating-point tensors on {flat.buffer.device}")
         self.flat = flat
         self.sync_buffers = list(sync_buffers)
         self.world_size = world_size
@@ -200,6 +216,11 @@ class SSDSGDCore:
     def _at_sync_point(self) -> bool:
         return (self.window.steps - self.warmup_steps) % self.delay_steps == 0
 
+    def _check_scalars(self, scalars: list[dict]) -> None:
+        if len(scalars) != len(self.flat.group_spans):
+            raise ValueError(f"scalars must hold one dict per parameter group ({len(self.flat.group_spans)}), "
+                             f"got {len(scalars)}")
+
     def _agrees(self, summed_check: torch.Tensor) -> bool:
         return check_agrees(summed_check, self.check_bits, self.world_size)
 
@@ -219,6 +240,8 @@ class SSDSGDCore:
 
     def prepare_warmup(self, scalars: list[dict]) -> torch.Tensor:
         """The packed gradient with this step's agreement check: what the warm-up sums over the ranks."""
+        _require(self.in_warmup, "prepare_warmup after the warm-up")
+        self._check_scalars(scalars)
         write_check(self.grad[self.flat.numel :], step_digest(self.window.steps, scalars), self.check_bits)
         return self.grad
 
@@ -228,6 +251,8 @@ class SSDSGDCore:
         Raises ``ValueError`` (nothing modified) when the ranks ran different
         steps. Returns what was not finite (nothing modified), or None once applied.
         """
+        _require(self.in_warmup, "apply_warmup after the warm-up")
+        self._check_scalars(scalars)
         d = self.flat.numel
         window = self.window
         if not self._agrees(self.grad[d:]):
@@ -251,6 +276,7 @@ class SSDSGDCore:
 
     def enter_delay_stage(self) -> None:
         """pre = server weight = the global weight; momentum as the warm-up left it."""
+        _require(not self.in_warmup and not self.window.delay_ready, "enter_delay_stage once, after the warm-up")
         self.pre.copy_(self.flat.buffer)
         self.server_weight.copy_(self.flat.buffer)
         self.sync_momentum.copy_(self.server_momentum)
@@ -328,6 +354,7 @@ class ShadowServerCore(SSDSGDCore):
 
     def consume_sync(self) -> Optional[DiscardedWindow]:
         """Start a window from the ready synchronised state: average the buffers, or discard a bad window."""
+        _require(self.sync_ready, "consume_sync without a synchronisation ready (judge_sync first)")
         window = self.window
         discarded = self.discard_bad_window()
         if discarded is None and not window.resolved:
@@ -340,6 +367,11 @@ class ShadowServerCore(SSDSGDCore):
     def local_step(self, scalars: list[dict], *, pulled: bool) -> bool:
         """GLU and the shadow server's step, fused; True when a synchronisation is due now."""
         window = self.window
+        _require(window.delay_ready and not self.sync_in_flight and pulled == self.sync_ready
+                 and (window.resolved or not pulled),
+                 "a local step needs the delay stage, no synchronisation in flight, and pulled=True exactly "
+                 "when a consumed synchronisation is ready")
+        self._check_scalars(scalars)
         scale = window.sync_scale if pulled else 1.0
         with nvtx_range(f"{NVTX_PREFIX}/local_update"):
             for index, s in enumerate(scalars):
@@ -359,17 +391,21 @@ class ShadowServerCore(SSDSGDCore):
 
     def prepare_sync(self) -> torch.Tensor:
         """The shadow state, the sync buffers and the window's check: what the synchronisation sums."""
+        _require(self.window.delay_ready and self.window.sync_state == "none",
+                 "prepare_sync after a local step, with no synchronisation pending")
         if self.sync_buffers:
             self.trailer_buffers.copy_(torch.cat([b.reshape(-1).to(self.state_dtype) for b in self.sync_buffers]))
         write_check(self.trailer_check, self.window.window_digest, self.check_bits)
         return self.sync
 
     def sync_launched(self) -> None:
+        _require(self.window.sync_state == "none", "sync_launched once per prepare_sync")
         self.window.window_digest = 0
         self.window.sync_state = "in_flight"
 
     def judge_sync(self) -> None:
         """The summed state arrived in :attr:`sync`: judge the window (the next step acts on the verdict)."""
+        _require(self.sync_in_flight, "judge_sync without a synchronisation launched")
         window = self.window
         if not self._agrees(self.trailer_check):
             window.verdict = "mismatch"
@@ -402,6 +438,8 @@ class ReplicaServerCore(SSDSGDCore):
 
     def pull(self) -> None:
         """Start a window from the replica (every gradient of the last window applied, any bad window discarded)."""
+        _require(self.window.pull_due and self.window.verdict is None,
+                 "pull when a pull is due, after discard_bad_window")
         self.flat.buffer.copy_(self.server_weight)
         self.sync_momentum.copy_(self.server_momentum)
         self.window.window_start = self.window.steps
@@ -412,6 +450,9 @@ class ReplicaServerCore(SSDSGDCore):
 
         A local overflow makes the sent gradient NaN, so every rank sees it in the mean.
         """
+        _require(self.window.delay_ready and not self.window.pull_due,
+                 "a local step needs the delay stage, and pull() first when a pull is due")
+        self._check_scalars(scalars)
         bad = []
         with nvtx_range(f"{NVTX_PREFIX}/local_update"):
             for index, s in enumerate(scalars):
@@ -440,6 +481,9 @@ class ReplicaServerCore(SSDSGDCore):
         a mismatch anywhere in the window wins over a non-finite state.
         """
         d = self.flat.numel
+        if summed.shape != self.grad.shape or summed.dtype != self.grad.dtype:
+            raise ValueError(f"summed must be a gradient buffer like local_step's ({tuple(self.grad.shape)}, "
+                             f"{self.grad.dtype}), got {tuple(summed.shape)}, {summed.dtype}")
         window = self.window
         if window.verdict == "mismatch":
             return False
