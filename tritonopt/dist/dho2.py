@@ -174,11 +174,11 @@ class ShardedSubspace:
         return new_basis @ full
 
     def update(self, weights, grad, basis, newton_scale, *, all_rows: int, base: str, segments, step: int,
-               state_a=None, state_b=None, base_scale: float = 1.0, g1_velocity=None, g1_decay: float = 0.0,
+               first_moment=None, second_moment=None, base_scale: float = 1.0, g1_velocity=None, g1_decay: float = 0.0,
                g1_gain: float = 1.0) -> None:
         if all_rows == 0:  # warm-up: the plain (data-parallel) base optimizer
             fosi_update(weights, grad, basis, newton_scale, base=base, segments=segments, step=step,
-                        state_a=state_a, state_b=state_b, base_scale=base_scale)
+                        first_moment=first_moment, second_moment=second_moment, base_scale=base_scale)
             return
         fosi_apply_weight_decay(weights, segments)
         v, b = basis, base_scale
@@ -188,7 +188,7 @@ class ShardedSubspace:
             coef = v @ g1
             q = coef if g1_velocity is None else g1_velocity.mul_(g1_decay).add_(coef, alpha=g1_gain)
             newton = -fosi_scale_segments((newton_scale * q) @ v, segments)
-            u = fosi_base_steps(grad - g1, state_a, state_b, base=base, segments=segments, step=step)
+            u = fosi_base_steps(grad - g1, first_moment, second_moment, base=base, segments=segments, step=step)
             if self.variant == "algorithm3":
                 self.comm.all_reduce(newton, label="delta1_all_reduce", group=self.group)
                 projection = (v @ u) @ v
@@ -461,8 +461,8 @@ class MRDHO2:
         w = self._pack(self.params, self.weights)
         empty = w.new_zeros((0, self.n))
         fosi_update(w, grad, empty, w.new_zeros(0), base=self.config.base, segments=self.segments,
-                    step=self.base_step + 1, state_a=self.base_state[0] if self.base_state else None,
-                    state_b=self.base_state[1] if len(self.base_state) > 1 else None)
+                    step=self.base_step + 1, first_moment=self.base_state[0] if self.base_state else None,
+                    second_moment=self.base_state[1] if len(self.base_state) > 1 else None)
         self.base_step += 1
         self._unpack(w)
         self._accumulated.add_(grad)

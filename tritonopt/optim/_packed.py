@@ -9,6 +9,13 @@ are views of its slice, so the kernels run once per group while
 
 :class:`PackedOptimizer` holds what the optimizers share around that:
 
+* the step (:meth:`PackedOptimizer.step`), one template for every optimizer:
+  run the closure, check the gradients, pack them into each unit's flat buffer
+  (a unit is a parameter group, or the groups that share one window), read on
+  the host once, then refuse the step (the non-finite policy) or update. A
+  subclass fills in :meth:`~PackedOptimizer._prepare` (get or rebuild the
+  unit's packed group, pack, say what to read) and
+  :meth:`~PackedOptimizer._update` (the arithmetic);
 * the non-finite policy: ``on_nonfinite="skip"`` warns, changes nothing and
   counts the step in ``skipped_steps``; ``"raise"`` raises
   ``FloatingPointError``, also before anything changes;
@@ -47,9 +54,18 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 from torch.optim import Optimizer
 
+from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_choice
 from tritonopt.optim._accounting import optimizer_state_bytes
 from tritonopt.optim._blocks import BlockLayout
+from tritonopt.optim._checkpoints import (  # noqa: F401  (CheckpointSpec is public here)
+    LAYOUT_KEY,
+    SHARD_WORLD_KEY,
+    SKIPPED_KEY,
+    CheckpointSpec,
+    check_param_layout,
+    param_layout,
+)
 from tritonopt.optim._sharding import (
     ShardGroup,
     is_sharded,
@@ -61,6 +77,9 @@ from tritonopt.optim._sharding import (
 )
 
 NONFINITE_POLICIES = ("skip", "raise")
+# Kept in every saved parameter group of a sharded optimizer too: torch.distributed.checkpoint's
+# get_optimizer_state_dict passes on only "state" and "param_groups".
+_GROUP_METADATA = (LAYOUT_KEY, SHARD_WORLD_KEY, SKIPPED_KEY)
 
 
 class PackedGroup:
@@ -127,146 +146,6 @@ def available_memory(device: torch.device) -> Optional[int]:
     return None
 
 
-def _no_entries(p: torch.Tensor) -> dict:
-    return {}
-
-
-@dataclass
-class CheckpointSpec:
-    """What the saved state of one parameter group must hold, checked before a checkpoint is loaded.
-
-    Every parameter that has state holds the names in ``per_param`` and those
-    ``param_shapes(p)`` returns, with those shapes; it may hold ``optional``
-    ones. Entries named in ``like_param`` are shaped like the parameter. The first
-    parameter's state also holds the group's entries: tensors ``group_shapes``
-    and integers ``group_counters`` (each below its bound), which ``group_rule``
-    (given that state) may check further by raising ``ValueError``. Tensors named
-    in ``dtypes`` have that dtype; ``step_counters`` are 0-d float32 tensors
-    holding a whole number ``>= 0``. Every floating-point tensor is finite.
-    """
-
-    per_param: frozenset
-    like_param: frozenset = frozenset()
-    optional: frozenset = frozenset()
-    param_shapes: Callable[[torch.Tensor], dict] = _no_entries
-    group_shapes: dict = field(default_factory=dict)
-    group_counters: dict = field(default_factory=dict)
-    dtypes: dict = field(default_factory=dict)
-    step_counters: frozenset = frozenset()
-    group_rule: Optional[Callable[[dict], None]] = None
-
-    def check(self, owner: str, params: Sequence[torch.Tensor], entries: Sequence[Optional[dict]]) -> None:
-        if not any(entries):
-            return
-        group_names = set(self.group_shapes) | set(self.group_counters)
-        for position, (p, entry) in enumerate(zip(params, entries)):
-            if not entry:
-                continue
-            if not isinstance(entry, dict):
-                raise ValueError(f"the saved state of a parameter must be a dict, got {type(entry).__name__}")
-            expected = dict(self.param_shapes(p))
-            required = set(self.per_param) | set(expected) | (group_names if position == 0 else set())
-            expected.update({name: tuple(p.shape) for name in self.like_param})
-            allowed = required | set(self.optional)
-            unknown = sorted(set(entry) - allowed, key=str)
-            if unknown:
-                raise ValueError(
-                    f"the saved state holds {unknown}, which {owner} does not keep: "
-                    "was it saved by another optimizer?"
-                )
-            missing = sorted(required - set(entry))
-            if missing:
-                raise ValueError(f"the saved state of a parameter lacks {missing}; it cannot be resumed")
-            if position == 0:
-                expected.update(self.group_shapes)
-            for name, shape in expected.items():
-                value = entry.get(name)
-                if value is None:
-                    continue
-                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(f"saved state {name!r} has shape {got}, expected {tuple(shape)}")
-            for name in self.step_counters:
-                _check_step_tensor(name, entry.get(name))
-            for name, value in entry.items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                if name in self.dtypes and value.dtype != self.dtypes[name]:
-                    raise ValueError(f"saved state {name!r} is {value.dtype}, expected {self.dtypes[name]}")
-                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                    raise ValueError(f"saved state {name!r} holds NaN or inf")
-            if position == 0:
-                for name, bound in self.group_counters.items():
-                    value = entry[name]
-                    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= bound:
-                        raise ValueError(f"saved state {name!r} must be an int in [0, {bound}], got {value!r}")
-                if self.group_rule is not None:
-                    self.group_rule(entry)
-
-
-def _check_step_tensor(name: str, value) -> None:
-    """A step counter kept as a 0-d float32 tensor: a whole number >= 0 (absent ones are checked elsewhere)."""
-    if value is None:
-        return
-    if not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != torch.float32:
-        got = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"saved state {name!r} must be a 0-d float32 tensor, got {got}")
-    count = float(value)
-    if not (math.isfinite(count) and count >= 0 and count == int(count)):
-        raise ValueError(f"saved state {name!r} must hold a whole number >= 0, got {count!r}")
-
-
-LAYOUT_KEY = "param_layout"
-SHARD_WORLD_KEY = "shard_world"
-SKIPPED_KEY = "skipped_steps"
-# Kept in every saved parameter group of a sharded optimizer too: torch.distributed.checkpoint's
-# get_optimizer_state_dict passes on only "state" and "param_groups".
-_GROUP_METADATA = (LAYOUT_KEY, SHARD_WORLD_KEY, SKIPPED_KEY)
-
-
-def param_layout(groups: Sequence[dict]) -> list[list[tuple]]:
-    """Each group's parameters as ``(shape, dtype)`` pairs, in order: what a checkpoint was saved for."""
-    return [[(tuple(p.shape), p.dtype) for p in group["params"]] for group in groups]
-
-
-def check_param_layout(saved, groups: Sequence[dict]) -> None:
-    """``saved`` (a state dict's ``param_layout``) names exactly the parameters of ``groups``; else ``ValueError``.
-
-    A checkpoint resumes only the parameters it was saved for: a flat window
-    or buffer read for other shapes, another order or another dtype would mix
-    their coordinates without any shape telling.
-    """
-    if saved is None:
-        raise ValueError(
-            f"the state dict has no {LAYOUT_KEY!r} (the shape and dtype of each parameter it was saved for), so "
-            "it cannot be checked against this optimizer's parameters; save it with this version's state_dict()"
-        )
-    mine = param_layout(groups)
-    if not isinstance(saved, (list, tuple)) or len(saved) != len(mine):
-        raise ValueError(f"{LAYOUT_KEY} must list one group per parameter group ({len(mine)}), got {saved!r}")
-    for index, (saved_group, group) in enumerate(zip(saved, mine)):
-        entries = []
-        if isinstance(saved_group, (list, tuple)):
-            for item in saved_group:
-                if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], (list, tuple))
-                        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in item[0])
-                        and isinstance(item[1], torch.dtype)):
-                    raise ValueError(f"{LAYOUT_KEY}[{index}] must hold (shape, dtype) pairs, got {item!r}")
-                entries.append((tuple(item[0]), item[1]))
-        else:
-            raise ValueError(f"{LAYOUT_KEY}[{index}] must be a list of (shape, dtype) pairs, got {saved_group!r}")
-        if entries != group:
-            raise ValueError(
-                f"{LAYOUT_KEY}: the state dict was saved for parameters {_describe(entries)} in group {index}, "
-                f"this optimizer has {_describe(group)}; a checkpoint resumes only the parameters it was saved "
-                "for (same shapes, dtypes and order)"
-            )
-
-
-def _describe(layout: Sequence[tuple]) -> str:
-    return "[" + ", ".join(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in layout) + "]"
-
-
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside tritonopt and torch.
 
@@ -299,14 +178,38 @@ def apply_nonfinite_policy(owner, problem: str, unchanged: str) -> None:
                   stacklevel=_caller_stacklevel())
 
 
+@dataclass
+class StepWork:
+    """One unit of a step (a parameter group, or the groups of one window), packed and ready to update.
+
+    ``probe`` is a 0-d tensor bounding the unit's gradient, into which NaN and inf
+    propagate; ``measures`` are more 0-d tensors its update needs on the host,
+    read in the same synchronisation into ``readings``. ``active`` says which of
+    ``params`` have a gradient this step (None: all of them).
+    """
+
+    index: int
+    groups: list
+    params: list
+    packed: PackedGroup
+    probe: torch.Tensor
+    active: Optional[list] = None
+    measures: list = field(default_factory=list)
+    readings: list = field(default_factory=list)
+
+
 class PackedOptimizer(Optimizer):
     """Base class of the tritonopt optimizers (see the module docstring).
 
     Subclasses implement :meth:`_check_group` (hyperparameters of one group,
-    also run on a loaded state dict) and keep their flat buffers in
-    ``self._packed`` (a dict; cleared whenever the per-parameter state is
-    replaced).
+    also run on a loaded state dict), :meth:`_prepare` and :meth:`_update` (the
+    two halves of :meth:`step` around its host decision), and keep their flat
+    buffers in ``self._packed`` (a dict, by unit index; cleared whenever the
+    per-parameter state is replaced), each got or rebuilt by ``_packed_group``.
     """
+
+    # Names the NVTX ranges of a step: tritonopt/<ALGO>/<phase>.
+    ALGO: str = "packed"
 
     # Why DTensor parameters are refused; None where the subclass steps them (see _sharding).
     SHARDING_REFUSAL: Optional[str] = (
@@ -430,6 +333,81 @@ class PackedOptimizer(Optimizer):
         with torch.enable_grad():
             return closure()
 
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One optimization step; ``closure`` (optional) re-evaluates the model and returns the loss."""
+        loss = self._evaluate_closure(closure)
+        self._step_packed()
+        return loss
+
+    def _step_packed(self) -> None:
+        """The step after the closure: check, pack every unit, read on the host once, refuse or update.
+
+        Before the verdict nothing changes but the state created for parameters
+        that had none, which a refused step drops again.
+        """
+        self._check_step()
+        stateless = self._stateless_params()
+        with nvtx_range(f"tritonopt/{self.ALGO}/pack"):
+            work = [unit for index, groups in self._step_units() if (unit := self._prepare(index, groups)) is not None]
+        if not work and (self._shards is None or not self._has_gradients()):
+            return
+        problem = self._gradient_problem(self._read(work))
+        if problem is not None:
+            self._refuse_step(problem, stateless)
+            return
+        self._update(work, stateless)
+
+    def _check_step(self) -> None:
+        """The step's input, checked before anything is packed: the groups together, and the gradients."""
+        self._check_group_set(self.param_groups)
+        for group in self.param_groups:
+            self._check_grads([p for p in group["params"] if p.grad is not None])
+
+    def _step_units(self) -> list[tuple[int, list[dict]]]:
+        """``(index, groups)`` of each unit the step packs and updates apart: here one per parameter group."""
+        return [(index, [group]) for index, group in enumerate(self.param_groups)]
+
+    def _prepare(self, index: int, groups: list[dict]) -> Optional[StepWork]:
+        """Get or rebuild unit ``index``'s packed group and pack its gradients; None when it has nothing to step.
+
+        May create state for parameters without any, and nothing else.
+        """
+        raise NotImplementedError
+
+    def _update(self, work: list[StepWork], stateless: Sequence[torch.Tensor]) -> None:
+        """The update of every prepared unit, once the step may happen. ``stateless``: for a step that finds
+        it must be undone after all (:meth:`_refuse_step`)."""
+        raise NotImplementedError
+
+    def _gradient_problem(self, largest: float) -> Optional[str]:
+        """Why the step must not happen, from the largest gradient probe; None when it may."""
+        return None if math.isfinite(largest) else "a gradient holds NaN or inf"
+
+    def _has_gradients(self) -> bool:
+        return any(p.grad is not None for group in self.param_groups for p in group["params"])
+
+    def _read(self, work: list[StepWork]) -> float:
+        """The step's one host synchronisation: the largest probe, and each unit's ``measures`` into its ``readings``.
+
+        On shards every rank takes part, holding a shard or not, and reads the
+        largest probe over the ranks (NaN anywhere is inf everywhere), so all
+        decide alike. (The optimizers that read ``measures`` refuse shards.)
+        """
+        largest = torch.stack([unit.probe for unit in work] or [torch.zeros(())]).max()
+        if self._shards is not None:
+            return self._shards.largest(largest)
+        measures = [value for unit in work for value in unit.measures]
+        if not measures:
+            return float(largest)
+        values = iter(torch.stack([largest, *measures]).tolist())
+        largest = next(values)
+        for unit in work:
+            unit.readings = [next(values) for _ in unit.measures]
+        return largest
+
     # ------------------------------------------------------------------ the non-finite policy
 
     def _stateless_params(self) -> list[torch.Tensor]:
@@ -440,11 +418,13 @@ class PackedOptimizer(Optimizer):
         """Apply ``on_nonfinite`` to a step that must not happen; nothing has been modified.
 
         ``stateless``: the parameters that had no state when the step began
-        (:meth:`_stateless_params`); state created for them since is dropped.
+        (:meth:`_stateless_params`); state created for them since is dropped,
+        and with it the packed groups that held it.
         """
+        created = False
         for p in stateless:
-            self.state.pop(p, None)
-        if stateless:
+            created = bool(self.state.pop(p, None)) or created
+        if created:
             self._packed.clear()
         apply_nonfinite_policy(self, problem, "parameters and state are unchanged")
 

@@ -8,14 +8,13 @@ Huang, CVPR 2020, sec. 3.3), with momentum SGD in the paper's experiments
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_bool, check_float
 from tritonopt.optim._blocks import BlockLayout
-from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, StepWork, bind_flat_state
 from tritonopt.optim.functional import flat_sgd
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -107,6 +106,7 @@ class FlatSGD(PackedOptimizer):
     the next step, which moves the parameters into a fresh flat buffer.
     """
 
+    ALGO = "flat_sgd"
     SHARDING_REFUSAL = ("it moves the parameters into a flat buffer of its own (each becomes a view of it), "
                         "while FSDP2 owns the storage of the sharded parameters; use torch.optim.SGD")
 
@@ -166,13 +166,13 @@ class FlatSGD(PackedOptimizer):
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         try:
-            self._flat_group(index, self.param_groups[index]["params"])
+            self._packed_group(index, self.param_groups[index:], self.param_groups[index]["params"])
         except Exception:
             self.param_groups.pop()  # a refused group leaves the optimizer as it was
             self._packed.pop(index, None)
             raise
 
-    def _flat_group(self, index: int, params: list[torch.Tensor]) -> _FlatGroup:
+    def _packed_group(self, index: int, groups: list[dict], params: list[torch.Tensor]) -> _FlatGroup:
         """The group's flat buffers; the parameters are moved into fresh ones when they are not views of them."""
         packed = self._packed.get(index)
         if packed is not None and packed.holds(params):
@@ -205,46 +205,31 @@ class FlatSGD(PackedOptimizer):
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002  (the views must stay)
         for index, group in enumerate(self.param_groups):
-            packed = self._flat_group(index, group["params"])
+            packed = self._packed_group(index, [group], group["params"])
             packed.grad.zero_()
             for p, view in zip(packed.layout.tensors, packed.layout.views(packed.grad)):
                 p.grad = view
 
     # ------------------------------------------------------------------ step
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
-        with torch.enable_grad():
-            loss = None if closure is None else closure()
+    def _prepare(self, index: int, groups: list[dict]) -> StepWork:
+        packed = self._packed_group(index, groups, groups[0]["params"])
+        self._gather_gradients(packed)
+        # The group's largest gradient entry and, where the flat buffers were just built, the bounds'
+        # first measure: its weights' and momentum's largest entries.
+        largest_grad = packed.grad.abs().amax().float()
+        measures = [largest_grad]
+        if packed.bounds is None:
+            measures += [packed.weights.abs().amax().float(), self._largest_momentum(packed)]
+        return StepWork(index, groups, list(packed.layout.tensors), packed, largest_grad, measures=measures)
 
-        # Validate and gather every group before any parameter or state changes.
-        with nvtx_range("tritonopt/flat_sgd/gather"):
-            for group in self.param_groups:
-                self._check_grads([p for p in group["params"] if p.grad is not None])
-            work = []
-            for index, group in enumerate(self.param_groups):
-                packed = self._flat_group(index, group["params"])
-                self._gather_gradients(packed)
-                work.append((group, packed))
-        # The step's one host read: each group's largest gradient entry (NaN and inf propagate
-        # into it) and, where the flat buffers were just built, their weights' and momentum's.
-        probes = []
-        for group, packed in work:
-            probes.append(packed.grad.abs().amax().float())
-            if packed.bounds is None:
-                probes += [packed.weights.abs().amax().float(), self._largest_momentum(packed)]
-        values = iter(torch.stack(probes).tolist())
-        plan = []
-        for group, packed in work:
-            largest_grad = next(values)
-            if packed.bounds is None:
-                packed.bounds = (next(values), next(values))
-            plan.append(largest_grad)
-        if not all(math.isfinite(largest) for largest in plan):
-            self._refuse_step("a gradient holds NaN or inf")
-            return loss
+    def _update(self, work: list[StepWork], stateless) -> None:
         bounds, risky = [], False
-        for (group, packed), largest_grad in zip(work, plan):
+        for unit in work:
+            group, packed = unit.groups[0], unit.packed
+            largest_grad, *measured = unit.readings
+            if packed.bounds is None:
+                packed.bounds = tuple(measured)
             first_step = group["momentum"] != 0 and not any(
                 "momentum_buffer" in self.state.get(p, {}) for p in packed.layout.tensors)
             after, group_risky = _step_bounds(group, largest_grad, packed.bounds, first_step, packed.weights.dtype)
@@ -252,32 +237,32 @@ class FlatSGD(PackedOptimizer):
             risky = risky or group_risky
 
         # A step that could overflow keeps what it may have to restore.
-        saved = [self._keep(packed) for _, packed in work] if risky else None
-        for group, packed in work:
-            params = packed.layout.tensors
+        saved = [self._keep(unit.packed) for unit in work] if risky else None
+        for unit in work:
+            group, packed = unit.groups[0], unit.packed
             first_step = False
             if group["momentum"] != 0 and "momentum_buffer" not in packed.state:
-                first_step = not any("momentum_buffer" in self.state[p] for p in params)
+                first_step = not any("momentum_buffer" in self.state[p] for p in unit.params)
                 packed.state.update(bind_flat_state(self.state, packed.layout, ["momentum_buffer"], torch.float32))
             hyperparameters = {name: group[name] for name in _HYPERPARAMETERS}
             flat_sgd(packed.weights, packed.grad, packed.state.get("momentum_buffer"), first_step=first_step,
                      work=packed.work.get("weights32"), **hyperparameters)
         if risky:
             # One read: every group's largest weight and momentum entry (NaN and inf propagate).
-            measured = torch.stack([value for _, packed in work for value in
-                                    (packed.weights.abs().amax().float(), self._largest_momentum(packed))]).tolist()
+            measured = torch.stack([value for unit in work for value in
+                                    (unit.packed.weights.abs().amax().float(),
+                                     self._largest_momentum(unit.packed))]).tolist()
             if not all(math.isfinite(value) for value in measured):
-                for (_, packed), kept in zip(work, saved):
-                    self._restore(packed, kept)
+                for unit, kept in zip(work, saved):
+                    self._restore(unit.packed, kept)
                 self._refuse_step("the update overflowed to NaN or inf (a finite but huge gradient); the step "
                                   "was undone")
-                return loss
+                return
             bounds = list(zip(measured[0::2], measured[1::2]))
-        for (_, packed), after in zip(work, bounds):
-            packed.bounds = after
-            counter = self.state[packed.layout.tensors[0]]
+        for unit, after in zip(work, bounds):
+            unit.packed.bounds = after
+            counter = self.state[unit.packed.layout.tensors[0]]
             counter["step"] = counter.get("step", 0) + 1
-        return loss
 
     def _largest_momentum(self, packed: _FlatGroup) -> torch.Tensor:
         """``max|momentum|`` of the group as a 0-d float32 tensor (0 without a momentum buffer)."""

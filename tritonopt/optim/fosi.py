@@ -17,179 +17,28 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 from tritonopt._runtime import nvtx_range
-from tritonopt._validation import check_bool, check_choice, check_float, check_int
+from tritonopt._validation import check_float
 from tritonopt.optim._blocks import BlockLayout, zeros_with_aligned_rows
-from tritonopt.optim._packed import PackedGroup, PackedOptimizer, _caller_stacklevel, bind_flat_state
-from tritonopt.optim.functional import (
-    FOSI_BASES,
-    FOSIHyper,
-    fosi_base_scale,
-    fosi_newton_scale,
-    fosi_update,
-)
-from tritonopt.optim.lanczos import (
-    default_breakdown_rtol,
-    default_lanczos_iters,
-    extreme_ritz,
-    lanczos,
-    make_hvp,
-    ritz_vectors,
-)
+from tritonopt.optim._fosi_checkpoints import BASE_STATE, FOSICheckpoints
+from tritonopt.optim._fosi_config import MAX_RANK, Curvature, FOSIConfig, LocalSubspace  # noqa: F401 (MAX_RANK)
+from tritonopt.optim._packed import PackedGroup, PackedOptimizer, StepWork, _caller_stacklevel, bind_flat_state
+from tritonopt.optim.functional import FOSIHyper, fosi_base_scale
+from tritonopt.optim.lanczos import make_hvp
 
 __all__ = ["FOSI", "Curvature", "FOSIConfig", "LocalSubspace"]
 
-# The fused update takes at most this many basis rows (k + l).
-MAX_RANK = 64
 # Overflow guard. While a bound on every intermediate of the update stays below
 # this, nothing can reach inf in float32, and adding less than it to a finite
 # float32 value cannot overflow either (half an ulp at float32's maximum is 2^103).
 _OVERFLOW_GUARD = 1e15
-_BASE_STATE = {"adam": ("exp_avg", "exp_avg_sq"), "heavy_ball": ("momentum_buffer",), "sgd": ()}
-_GLOBAL_KEYS = ("eigenvalues", "all_eigenvalues", "ritz_scale", "g1_velocity", "base_scale", "step",
-                "base_step", "ese_count", "velocity_bound")
 
 
-@dataclass(frozen=True)
-class FOSIConfig:
-    """FOSI's settings shared by every parameter group (see :class:`FOSI` for their meaning); validated."""
-
-    base: str = "adam"
-    k: int = 10
-    l: int = 0
-    alpha: float = 0.1
-    num_lanczos_iters: Optional[int] = None
-    warmup_steps: Optional[int] = 0
-    curvature_update_every: int = 100
-    lanczos_dtype: torch.dtype = torch.float64
-    reorth_passes: int = 2
-    paper_exact: bool = False
-    g1_momentum: float = 0.0
-    learning_rate_clip: float = 1.0
-    ritz_rtol: float = 1e-6
-    eigenvalue_floor: float = 1e-3
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_choice("base", self.base, FOSI_BASES)
-        check_int("k", self.k, low=0)
-        check_int("l", self.l, low=0)
-        if self.k + self.l > MAX_RANK:
-            raise ValueError(f"k + l must be at most {MAX_RANK}, got {self.k + self.l}")
-        check_float("alpha", self.alpha, low=0.0)
-        if self.num_lanczos_iters is not None:
-            check_int("num_lanczos_iters", self.num_lanczos_iters, low=1)
-        if self.warmup_steps is not None:
-            check_int("warmup_steps", self.warmup_steps, low=0)
-        check_int("curvature_update_every", self.curvature_update_every, low=1)
-        if self.lanczos_dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"lanczos_dtype must be torch.float32 or torch.float64, got {self.lanczos_dtype}")
-        check_int("reorth_passes", self.reorth_passes, low=1, high=3)
-        check_bool("paper_exact", self.paper_exact)
-        check_float("g1_momentum", self.g1_momentum, low=0.0, high=1.0, high_open=True)
-        check_float("learning_rate_clip", self.learning_rate_clip, low=1.0)
-        if self.paper_exact and (self.g1_momentum or self.learning_rate_clip != 1.0):
-            raise ValueError("paper_exact=True is eqs. (11)-(12) as printed: it takes g1_momentum=0 "
-                             "and learning_rate_clip=1")
-        check_float("ritz_rtol", self.ritz_rtol, low=0.0, high=1.0)
-        check_float("eigenvalue_floor", self.eigenvalue_floor, low=0.0, high=1.0)
-        check_int("seed", self.seed, low=0)
-
-    @property
-    def first_curvature_step(self) -> int:
-        """The update index (0-based) before which the first ESE runs."""
-        return self.curvature_update_every - 1 if self.warmup_steps is None else self.warmup_steps
-
-    def curvature_due(self, step: int) -> bool:
-        """Whether the ESE runs before update ``step`` (0-based)."""
-        first = self.first_curvature_step
-        return self.k + self.l > 0 and step >= first and (step - first) % self.curvature_update_every == 0
-
-    def lanczos_iters(self, n: int) -> int:
-        if self.num_lanczos_iters is not None:
-            return min(self.num_lanczos_iters, n)
-        return default_lanczos_iters(self.k, self.l, n)
-
-    def g1_decay_gain(self) -> tuple[float, float]:
-        """``(decay, gain)`` of the coefficient-space velocity: an EMA for Adam, a momentum sum otherwise."""
-        d = self.g1_momentum
-        return d, (1.0 - d) if self.base == "adam" else 1.0
-
-    def newton_scale(self, eigenvalues: torch.Tensor, ritz_scale: float) -> torch.Tensor:
-        """:func:`~tritonopt.optim.functional.fosi_newton_scale` with these settings (float64)."""
-        return fosi_newton_scale(eigenvalues.double(), self.alpha, floor=self.eigenvalue_floor,
-                                 ritz_scale=ritz_scale, signed=self.paper_exact)
-
-
-@dataclass
-class Curvature:
-    """One extreme-spectrum estimate, as a subspace hands it to :class:`FOSI`.
-
-    ``values`` (``[r_here]`` float64) and ``basis`` (``[r_here, n]``, orthonormal
-    rows) are the Ritz pairs this process applies; ``all_values`` (``[r]``
-    float64, ascending) every selected Ritz value; ``ritz_scale`` the largest
-    ``|Ritz value|`` of the estimate; ``report`` what the estimate held.
-    """
-
-    values: torch.Tensor
-    basis: torch.Tensor
-    all_values: torch.Tensor
-    ritz_scale: float
-    report: dict
-
-
-class LocalSubspace:
-    """FOSI's subspace held whole in this process (the default of :class:`FOSI`).
-
-    A subspace is the object through which FOSI reaches ``V``; another one
-    (DHO2's, which shards ``V`` over ranks) provides the same methods:
-
-    * ``reduce_gradient(grad)``: make the flat gradient the one every process uses;
-    * ``extreme_spectrum(hvp, n, config, *, dtype, device, seed) -> Curvature``;
-    * ``carry_velocity(new_basis, old_basis, velocity)``: ``V_new V_old^T z``;
-    * ``update(weights, grad, basis, newton_scale, *, all_rows, **kwargs)``: one
-      update (the arguments of :func:`~tritonopt.optim.functional.fosi_update`;
-      ``all_rows`` counts the rows of ``V`` over every process);
-    * ``identity()`` (extra entries of a checkpoint) and
-      ``check_checkpoint(entry, device, problem)``: raise ``problem`` (what this
-      process found wrong with a state dict), or another reason a load does
-      not belong here, before anything changes.
-    """
-
-    def reduce_gradient(self, grad: torch.Tensor) -> None:
-        return None
-
-    def extreme_spectrum(self, hvp, n: int, config: FOSIConfig, *, dtype, device, seed: int) -> Curvature:
-        result = lanczos(hvp, n, config.lanczos_iters(n), dtype=config.lanczos_dtype, device=device,
-                         passes=config.reorth_passes, seed=seed,
-                         breakdown_rtol=default_breakdown_rtol(config.lanczos_dtype))
-        ritz = extreme_ritz(result.tridiag, config.k, config.l, config.ritz_rtol)
-        report = {"steps": result.steps, "breakdown": result.breakdown, "basis_numel": result.basis.numel(),
-                  "basis_shape": tuple(result.basis.shape)}
-        return Curvature(ritz.values, ritz_vectors(result.basis, ritz.vectors, dtype), ritz.values, ritz.scale,
-                         report)
-
-    def carry_velocity(self, new_basis: torch.Tensor, old_basis: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
-        return new_basis @ (velocity @ old_basis)
-
-    def update(self, weights, grad, basis, newton_scale, *, all_rows: int, **kwargs) -> None:
-        fosi_update(weights, grad, basis, newton_scale, **kwargs)
-
-    def identity(self) -> dict:
-        return {}
-
-    def check_checkpoint(self, entry, device: torch.device, problem: Optional[Exception]) -> None:
-        if problem is not None:
-            raise problem
-
-
-class FOSI(PackedOptimizer):
+class FOSI(FOSICheckpoints, PackedOptimizer):
     r"""FOSI with a choice of base optimizer (Adam, heavy-ball, SGD) on one flat parameter vector.
 
     Stages (Gu et al. sec. II-B):
@@ -410,9 +259,8 @@ class FOSI(PackedOptimizer):
     def _work_dtype(self, params: Sequence[torch.Tensor]) -> torch.dtype:
         return torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
 
-    def _ensure_packed(self) -> PackedGroup:
+    def _packed_group(self, index: int, groups: list[dict], params: list[torch.Tensor]) -> PackedGroup:
         """The flat buffers of the trainable parameters (rebuilt from the per-parameter state when stale)."""
-        params = self._trainable()
         packed = self._packed.get(0)
         if packed is not None and packed.layout.matches(params):
             return packed
@@ -427,7 +275,7 @@ class FOSI(PackedOptimizer):
         # zero columns in V: the Newton step reaches them from the next ESE on.
         stored = [p for p in params if "eigenvectors" in self.state[p]]
         rank = self.state[stored[0]]["eigenvectors"].shape[0] if stored else 0
-        buffers = bind_flat_state(self.state, layout, list(_BASE_STATE[self.config.base]), dtype)
+        buffers = bind_flat_state(self.state, layout, list(BASE_STATE[self.config.base]), dtype)
         basis = zeros_with_aligned_rows(rank, layout.total, dtype, layout.device)
         for p, start, numel in zip(params, layout.offsets, layout.numels):
             if "eigenvectors" in self.state[p]:
@@ -439,13 +287,21 @@ class FOSI(PackedOptimizer):
         packed.weight_views = layout.views(packed.weights)
         self._packed[0] = packed
         self._bind_basis_views(packed)
-        if self.g1_velocity is None or self.g1_velocity.shape[0] != rank:
-            self.g1_velocity = torch.zeros(rank, dtype=dtype, device=layout.device)
-        else:
-            self.g1_velocity = self.g1_velocity.to(device=layout.device, dtype=dtype)
         self._derive_newton_scale(layout.device, dtype)
         self._state_bound = None  # measured at the next step
         return packed
+
+    def _fit_velocity(self, packed: PackedGroup) -> None:
+        """``g1_velocity`` as long as the basis, on its device and in its dtype (zeros when it is not).
+
+        Done where the velocity is used, not when the packed group is built: a
+        refused step leaves it as it was.
+        """
+        basis = packed.basis
+        if self.g1_velocity is None or self.g1_velocity.shape[0] != basis.shape[0]:
+            self.g1_velocity = torch.zeros(basis.shape[0], dtype=basis.dtype, device=packed.layout.device)
+        else:
+            self.g1_velocity = self.g1_velocity.to(device=packed.layout.device, dtype=basis.dtype)
 
     def _bind_basis_views(self, packed: PackedGroup) -> None:
         basis = packed.basis
@@ -454,124 +310,7 @@ class FOSI(PackedOptimizer):
             self.state[p]["eigenvectors"] = basis[:, start : start + numel].view(rank, *p.shape)
 
     def _state_buffers(self, packed: PackedGroup) -> list[torch.Tensor]:
-        return [packed.state[name] for name in _BASE_STATE[self.config.base]]
-
-    # ------------------------------------------------------------------ checkpoints and copies
-
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["fosi"] = {
-            "eigenvalues": self.eigenvalues.clone(),
-            "all_eigenvalues": self.all_eigenvalues.clone(),
-            "ritz_scale": self.ritz_scale,
-            "g1_velocity": None if self.g1_velocity is None else self.g1_velocity.clone(),
-            "base_scale": self.base_scale,
-            "step": self.step_count,
-            "base_step": self.base_step,
-            "ese_count": self.ese_count,
-            "velocity_bound": self.velocity_bound,
-            **self.subspace.identity(),
-        }
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a :meth:`state_dict`; a malformed or foreign one raises before anything changes."""
-        extra, problem = None, None
-        try:
-            if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-                raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (an optimizer's "
-                                 "state_dict)")
-            state_dict = dict(state_dict)
-            extra = state_dict.pop("fosi", None)
-            if extra is None:
-                raise ValueError("state_dict has no 'fosi' entry: it was not saved by FOSI")
-            self._check_saved(state_dict, extra)
-        except ValueError as exc:
-            problem = exc
-        except TypeError as exc:  # a field of the wrong kind is a bad value of the state dict
-            problem = ValueError(str(exc))
-            problem.__cause__ = exc
-        device = self._trainable()[0].device if self._trainable() else torch.device("cpu")
-        # Raises ``problem``; a distributed subspace first agrees with the other ranks.
-        self.subspace.check_checkpoint(extra, device, problem)
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            group["betas"] = tuple(group["betas"])
-            group.setdefault("initial_lr", group["lr"])
-        self.eigenvalues = extra["eigenvalues"].to(torch.float64).clone()
-        self.all_eigenvalues = extra["all_eigenvalues"].to(torch.float64).clone()
-        self.ritz_scale = float(extra["ritz_scale"])
-        velocity = extra["g1_velocity"]
-        self.g1_velocity = None if velocity is None else velocity.to(device=device, copy=True)
-        self.base_scale = float(extra["base_scale"])
-        self.step_count, self.base_step = int(extra["step"]), int(extra["base_step"])
-        self.ese_count = int(extra["ese_count"])
-        self.velocity_bound = float(extra["velocity_bound"])
-
-    def _check_saved(self, state_dict: dict, extra) -> None:
-        """Everything a load relies on, checked before anything changes (names the first problem)."""
-        if not isinstance(extra, dict):
-            raise ValueError(f"state_dict['fosi'] must be a dict, got {type(extra).__name__}")
-        missing = [key for key in _GLOBAL_KEYS if key not in extra]
-        if missing:
-            raise ValueError(f"state_dict['fosi'] lacks {missing}")
-        for key in ("eigenvalues", "all_eigenvalues"):
-            value = extra[key]
-            if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
-                raise ValueError(f"state_dict['fosi'][{key!r}] must be a 1-D float tensor")
-            if value.numel() > self.config.k + self.config.l:
-                raise ValueError(f"state_dict['fosi'][{key!r}] holds {value.numel()} Ritz values but this "
-                                 f"optimizer keeps at most k + l = {self.config.k + self.config.l}")
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"state_dict['fosi'][{key!r}] holds NaN or inf")
-        for key in ("ritz_scale", "base_scale", "velocity_bound"):
-            check_float(f"state_dict['fosi'][{key!r}]", extra[key], low=0.0)
-        for key in ("step", "base_step", "ese_count"):
-            check_int(f"state_dict['fosi'][{key!r}]", extra[key], low=0)
-        rank = extra["eigenvalues"].numel()
-        velocity = extra["g1_velocity"]
-        if velocity is not None and (not isinstance(velocity, torch.Tensor) or velocity.shape != (rank,)
-                                     or not bool(torch.isfinite(velocity).all())):
-            raise ValueError(f"state_dict['fosi']['g1_velocity'] must be None or a finite [{rank}] tensor")
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}")
-        # The rule every packed optimizer keeps (the parameter layout it was saved for, the
-        # hyperparameters, skipped_steps), here so that a distributed subspace agrees on it.
-        super().check_state_dict(state_dict)
-        saved = state_dict["state"]
-        expected = {*_BASE_STATE[self.config.base], "eigenvectors"}
-        for group, saved_group in zip(self.param_groups, groups):
-            if len(group["params"]) != len(saved_group.get("params", ())):
-                raise ValueError("state_dict's parameter groups hold other numbers of parameters")
-            for p, pid in zip(group["params"], saved_group["params"]):
-                entry = saved.get(pid)
-                if not p.requires_grad:
-                    continue
-                if not entry:
-                    if saved:
-                        raise ValueError(f"state_dict has no state for parameter {pid} while others have some")
-                    continue
-                if set(entry) != expected:
-                    raise ValueError(f"state_dict holds state {sorted(entry)} for parameter {pid}; FOSI with "
-                                     f"base={self.config.base!r} keeps {sorted(expected)}")
-                for name, value in entry.items():
-                    shape = (rank, *p.shape) if name == "eigenvectors" else tuple(p.shape)
-                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                        raise ValueError(f"state {name!r} of parameter {pid} must have shape {shape}, got {got}")
-                    if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
-                        raise ValueError(f"state {name!r} of parameter {pid} must be finite floating point")
-
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        # Per-parameter state entries are views of flat buffers; a pickle would store the
-        # whole buffer once per view. Standalone copies keep it the size of the state.
-        state["state"] = defaultdict(dict, {
-            p: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entry.items()}
-            for p, entry in self.state.items()
-        })
-        return state
+        return [packed.state[name] for name in BASE_STATE[self.config.base]]
 
     # ------------------------------------------------------------------ curvature
 
@@ -641,7 +380,8 @@ class FOSI(PackedOptimizer):
         loss_fn = self.curvature_loss_fn if loss_fn is None else loss_fn
         if loss_fn is None or not callable(loss_fn):
             raise ValueError("update_curvature needs a loss function (loss_fn or curvature_loss_fn)")
-        packed = self._ensure_packed()
+        packed = self._packed_group(0, self.param_groups, self._trainable())
+        self._fit_velocity(packed)
         if self.config.k + self.config.l == 0:
             return True
         curvature = self._estimate(loss_fn, packed)
@@ -654,17 +394,36 @@ class FOSI(PackedOptimizer):
 
     # ------------------------------------------------------------------ step
 
-    def _grads_present(self, params: list[torch.Tensor]) -> bool:
+    def _check_step(self) -> None:
+        # Hyperparameters a user or a scheduler set since the last step: checked before anything changes.
+        self._check_settings()
+        params = self._trainable()
         with_grad = [p for p in params if p.grad is not None]
-        if not with_grad:
-            return False
-        if len(with_grad) != len(params):
+        if with_grad and len(with_grad) != len(params):
             raise RuntimeError(
                 f"FOSI needs a gradient for every trainable parameter (the curvature couples them): "
                 f"{len(params) - len(with_grad)} of {len(params)} have .grad None"
             )
-        self._check_grads(params)
-        return True
+        self._check_grads(with_grad)
+
+    def _step_units(self) -> list[tuple[int, list[dict]]]:
+        return [(0, self.param_groups)]  # the curvature couples every group: one vector
+
+    def _prepare(self, index: int, groups: list[dict]) -> Optional[StepWork]:
+        params = self._trainable()
+        if not params or params[0].grad is None:
+            return None
+        packed = self._packed_group(index, groups, params)
+        packed.layout.pack([p.grad for p in params], packed.grad.view(1, -1))
+        self.subspace.reduce_gradient(packed.grad)
+        # The update's bound needs the gradient's largest entry and, when the packed state was just
+        # (re)built, the state's.
+        largest_grad = packed.grad.abs().amax()
+        state_buffers = self._state_buffers(packed)
+        measures = [largest_grad]
+        if self._state_bound is None and state_buffers:
+            measures.append(state_buffers[0].abs().amax())
+        return StepWork(index, groups, params, packed, largest_grad, measures=measures)
 
     def _update_bound(self, largest_grad: float, segments: list[FOSIHyper], n: int, r: int):
         """``(risky, state_bound, velocity_bound)`` after this step, from ``max|g|`` (see ``_OVERFLOW_GUARD``).
@@ -700,50 +459,27 @@ class FOSI(PackedOptimizer):
         risky = not (decays and math.isfinite(largest) and largest < _OVERFLOW_GUARD)
         return risky, new_state, velocity
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
-        """One FOSI update (an ESE first when one is due); ``closure`` re-evaluates the model and returns the loss."""
-        loss = self._evaluate_closure(closure)
-        self._update()
-        return loss
-
-    # torch.compile runs this part eagerly (a graph break in a compiled step). The step is
-    # driven by host numbers: the gradient's largest entry decides whether it may happen
+    # torch.compile runs the step after the closure eagerly (a graph break in a compiled step). The
+    # step is driven by host numbers: the gradient's largest entry decides whether it may happen
     # (the non-finite policy) and whether its result must be checked for overflow, and the
     # bounds, counters and Ritz values it keeps are Python numbers, which a traced step would
     # bake into guards and recompile for at every step. An ESE takes a double backward, which
     # torch.compile's autograd cannot trace.
     @torch._dynamo.disable
-    def _update(self) -> None:
-        """The step after the closure: validate, pack, decide on the host, run the ESE when due, update."""
-        # Hyperparameters a user or a scheduler set since the last step: checked before anything changes.
-        settings = self._check_settings()
-        params = self._trainable()
-        if not self._grads_present(params):
-            return
-        # What a refused first step must take back: the state it creates (a built packed group
-        # means every parameter has state).
-        stateless = [] if self._packed.get(0) is not None else self._stateless_params()
-        velocity_before = self.g1_velocity
-        packed = self._ensure_packed()
-        layout = packed.layout
-        with nvtx_range("tritonopt/fosi/pack"):
-            layout.pack([p.grad for p in params], packed.grad.view(1, -1))
-        self.subspace.reduce_gradient(packed.grad)
-        # The step's one host read: the gradient's largest entry (NaN and inf propagate into it),
-        # and, when the packed state was just (re)built, the state's.
-        checks = [packed.grad.abs().amax()]
-        state_buffers = self._state_buffers(packed)
-        if self._state_bound is None and state_buffers:
-            checks.append(state_buffers[0].abs().amax())
-        values = [checks[0].item()] if len(checks) == 1 else torch.stack(checks).tolist()
-        largest_grad = values[0]
-        if not math.isfinite(largest_grad):
-            self.g1_velocity = velocity_before
-            self._refuse_step("a gradient holds NaN or inf", stateless)
-            return
+    def _step_packed(self) -> None:
+        super()._step_packed()
+
+    def _update(self, work: list[StepWork], stateless) -> None:
+        """An ESE first when one is due, then the update; undone when the bound flagged it and it overflowed."""
+        (unit,) = work
+        packed, params, layout = unit.packed, unit.params, unit.packed.layout
+        largest_grad, *largest_state = unit.readings
         if self._state_bound is None:
-            self._state_bound = values[1] if len(values) > 1 else 0.0
+            self._state_bound = largest_state[0] if largest_state else 0.0
+        velocity_before = self.g1_velocity
+        self._fit_velocity(packed)
+        state_buffers = self._state_buffers(packed)
+        settings = self._group_settings()
 
         refs = None
         if self.curvature_loss_fn is not None and self.config.curvature_due(self.step_count):
@@ -761,8 +497,8 @@ class FOSI(PackedOptimizer):
         self.subspace.update(
             packed.weights, packed.grad, packed.basis, self._newton_scale,
             all_rows=self.all_eigenvalues.numel(), base=self.config.base,
-            segments=segments, step=self.base_step + 1, state_a=state_buffers[0] if state_buffers else None,
-            state_b=state_buffers[1] if len(state_buffers) > 1 else None, base_scale=self.base_scale,
+            segments=segments, step=self.base_step + 1, first_moment=state_buffers[0] if state_buffers else None,
+            second_moment=state_buffers[1] if len(state_buffers) > 1 else None, base_scale=self.base_scale,
             g1_velocity=self.g1_velocity if use_velocity else None, g1_decay=decay, g1_gain=gain,
         )
         if risky:
@@ -775,8 +511,7 @@ class FOSI(PackedOptimizer):
                     t.copy_(copy)
                 if refs is not None:
                     self._restore_curvature(packed, refs)
-                if stateless:
-                    self.g1_velocity = velocity_before
+                self.g1_velocity = velocity_before
                 self._refuse_step("the update overflowed to NaN or inf (a finite but huge gradient); the step "
                                   "was undone", stateless)
                 return

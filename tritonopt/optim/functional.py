@@ -209,22 +209,22 @@ def fosi_base_scale(eigenvalues: torch.Tensor, k: int, learning_rate_clip: float
     return min(max(top / smallest_kept, 1.0), learning_rate_clip)
 
 
-def _wide_base_step(grad, state_a, state_b, base, lr, beta1, beta2, eps, step) -> torch.Tensor:
+def _wide_base_step(grad, first_moment, second_moment, base, lr, beta1, beta2, eps, step) -> torch.Tensor:
     """The base step in the buffers' own (wider than float32) dtype."""
     if base == "sgd":
         return grad * -lr
     if base == "heavy_ball":
-        return state_a.mul_(beta1).add_(grad) * -lr
-    state_a.lerp_(grad, 1.0 - beta1)
-    state_b.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    denominator = state_b.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(eps)
-    return state_a.div(denominator).mul_(-lr / (1.0 - beta1**step))
+        return first_moment.mul_(beta1).add_(grad) * -lr
+    first_moment.lerp_(grad, 1.0 - beta1)
+    second_moment.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    denominator = second_moment.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(eps)
+    return first_moment.div(denominator).mul_(-lr / (1.0 - beta1**step))
 
 
 def fosi_base_step(
     grad: torch.Tensor,
-    state_a: Optional[torch.Tensor],
-    state_b: Optional[torch.Tensor],
+    first_moment: Optional[torch.Tensor],
+    second_moment: Optional[torch.Tensor],
     *,
     base: str,
     lr: float,
@@ -237,19 +237,21 @@ def fosi_base_step(
     """The base optimizer's step ``u = O(grad)`` on a flat ``[n]`` buffer; its state is updated in place.
 
     * ``sgd``: ``u = -lr g``;
-    * ``heavy_ball``: ``a = beta1 a + g``, ``u = -lr a`` (``state_a`` = ``a``);
+    * ``heavy_ball``: ``a = beta1 a + g``, ``u = -lr a`` (``first_moment`` = ``a``,
+      the momentum buffer);
     * ``adam``: ``a = beta1 a + (1 - beta1) g``, ``b2 = beta2 b2 + (1 - beta2) g^2``,
-      ``u = -(lr / (1 - beta1^step)) a / (sqrt(b2 / (1 - beta2^step)) + eps)``.
+      ``u = -(lr / (1 - beta1^step)) a / (sqrt(b2 / (1 - beta2^step)) + eps)``
+      (``first_moment`` = ``a``, ``second_moment`` = ``b2``).
 
     float32 buffers: :func:`tritonopt.ops.fosi_step` with an empty basis on a
     zeroed ``out`` (allocated when None), which is exactly its base step;
     float64 buffers: the same formulas in float64. ``step`` counts this step.
     """
     if grad.dtype == torch.float64:
-        return _wide_base_step(grad, state_a, state_b, base, lr, beta1, beta2, eps, step)
+        return _wide_base_step(grad, first_moment, second_moment, base, lr, beta1, beta2, eps, step)
     out = torch.zeros(grad.shape[0], dtype=torch.float32, device=grad.device) if out is None else out.zero_()
     fosi_step(out, grad, grad.new_zeros((0, grad.shape[0]), dtype=torch.float32),
-              grad.new_zeros(0, dtype=torch.float32), base=base, state_a=state_a, state_b=state_b,
+              grad.new_zeros(0, dtype=torch.float32), base=base, state_a=first_moment, state_b=second_moment,
               lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step)
     return out
 
@@ -265,8 +267,8 @@ def fosi_segment_bounds(segments: Sequence[FOSIHyper]) -> list[tuple[int, int, F
 
 def fosi_base_steps(
     grad: torch.Tensor,
-    state_a: Optional[torch.Tensor],
-    state_b: Optional[torch.Tensor],
+    first_moment: Optional[torch.Tensor],
+    second_moment: Optional[torch.Tensor],
     *,
     base: str,
     segments: Sequence[FOSIHyper],
@@ -276,13 +278,13 @@ def fosi_base_steps(
     """:func:`fosi_base_step` with each slice's own hyperparameters (``segments`` cover ``[0, n)``)."""
     if len(segments) == 1:
         h = segments[0]
-        return fosi_base_step(grad, state_a, state_b, base=base, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+        return fosi_base_step(grad, first_moment, second_moment, base=base, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
                               eps=h.eps, step=step, out=out)
     out = torch.empty_like(grad) if out is None else out
     for start, stop, h in fosi_segment_bounds(segments):
         piece = fosi_base_step(
-            grad[start:stop], None if state_a is None else state_a[start:stop],
-            None if state_b is None else state_b[start:stop], base=base, lr=h.lr, beta1=h.beta1,
+            grad[start:stop], None if first_moment is None else first_moment[start:stop],
+            None if second_moment is None else second_moment[start:stop], base=base, lr=h.lr, beta1=h.beta1,
             beta2=h.beta2, eps=h.eps, step=step, out=out[start:stop] if grad.dtype != torch.float64 else None)
         if piece.data_ptr() != out[start:stop].data_ptr():
             out[start:stop].copy_(piece)
@@ -318,8 +320,8 @@ def fosi_update(
     base: str,
     segments: Sequence[FOSIHyper],
     step: int,
-    state_a: Optional[torch.Tensor] = None,
-    state_b: Optional[torch.Tensor] = None,
+    first_moment: Optional[torch.Tensor] = None,
+    second_moment: Optional[torch.Tensor] = None,
     base_scale: float = 1.0,
     g1_velocity: Optional[torch.Tensor] = None,
     g1_decay: float = 0.0,
@@ -328,8 +330,9 @@ def fosi_update(
     """One FOSI update of the flat ``weights`` (``[n]``), in place: see the section comment above.
 
     ``basis`` ``[r, n]`` and ``newton_scale`` ``[r]`` in ``weights``' dtype
-    (``r = 0``: exactly the base optimizer's step); ``grad``, ``state_a``,
-    ``state_b`` ``[n]``; ``g1_velocity`` ``[r]`` or None (updated in place);
+    (``r = 0``: exactly the base optimizer's step); ``grad``, ``first_moment``,
+    ``second_moment`` ``[n]`` (the base optimizer's state, as :func:`fosi_base_step`);
+    ``g1_velocity`` ``[r]`` or None (updated in place);
     ``segments`` the slices' hyperparameters (:class:`FOSIHyper`, covering
     ``[0, n)``); ``step`` the base optimizer's step count including this one.
     Decoupled weight decay is applied first. float32 weights with uniform
@@ -340,7 +343,7 @@ def fosi_update(
     if weights.dtype == torch.float32 and fosi_uniform(segments):
         h = segments[0]
         scale = newton_scale if h.newton_factor == 1.0 else newton_scale * h.newton_factor
-        fosi_step(weights, grad, basis, scale, base=base, state_a=state_a, state_b=state_b, lr=h.lr,
+        fosi_step(weights, grad, basis, scale, base=base, state_a=first_moment, state_b=second_moment, lr=h.lr,
                   beta1=h.beta1, beta2=h.beta2, eps=h.eps, step=step, base_scale=base_scale,
                   g1_velocity=g1_velocity, g1_decay=g1_decay, g1_gain=g1_gain)
         return
@@ -348,7 +351,7 @@ def fosi_update(
     coef = basis @ g
     q = coef if g1_velocity is None else g1_velocity.mul_(g1_decay).add_(coef, alpha=g1_gain)
     newton = fosi_scale_segments((newton_scale * q) @ basis, segments)
-    u = fosi_base_steps(g - coef @ basis, state_a, state_b, base=base, segments=segments, step=step)
+    u = fosi_base_steps(g - coef @ basis, first_moment, second_moment, base=base, segments=segments, step=step)
     weights.add_(base_scale * (u - (basis @ u) @ basis) - newton)
 
 

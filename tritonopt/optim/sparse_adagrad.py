@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_float, check_int
 from tritonopt.optim._blocks import BlockLayout, kept_per_block
-from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, bind_flat_state
+from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, StepWork, bind_flat_state
 from tritonopt.optim._sharding import local_tensor
 from tritonopt.optim.functional import apply_decoupled_update, sparse_adagrad
 
@@ -67,6 +66,7 @@ class SparseAdaGrad(PackedOptimizer):
     all-reduce of one float per step).
     """
 
+    ALGO = "sparse_adagrad"
     SHARDING_REFUSAL = None
     LIKE_PARAM_ENTRIES = frozenset({"error", "sum_sq"})
 
@@ -116,8 +116,9 @@ class SparseAdaGrad(PackedOptimizer):
             param_group = {**param_group, "k": None}
         super().add_param_group(param_group)
 
-    def _packed_group(self, index: int, group: dict, params: list[torch.Tensor]) -> PackedGroup:
+    def _packed_group(self, index: int, groups: list[dict], params: list[torch.Tensor]) -> PackedGroup:
         """The group's flat buffers for this set of parameters, rebuilt when the set changes."""
+        group = groups[0]
         grad_dtypes = {p.grad.dtype for p in params}
         grad_dtype = grad_dtypes.pop() if len(grad_dtypes) == 1 else torch.float32
         if grad_dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -141,50 +142,28 @@ class SparseAdaGrad(PackedOptimizer):
 
     # ------------------------------------------------------------------ step
 
-    def _params_with_grad(self, group: dict) -> list[torch.Tensor]:
-        params = [p for p in group["params"] if p.grad is not None]
-        self._check_grads(params)
-        return params
+    def _prepare(self, index: int, groups: list[dict]) -> Optional[StepWork]:
+        params = [p for p in groups[0]["params"] if p.grad is not None]
+        if not any(local_tensor(p).numel() for p in params):  # nothing to step here
+            return None
+        packed = self._packed_group(index, groups, params)
+        packed.layout.pack([p.grad for p in params], packed.grad)
+        return StepWork(index, groups, params, packed, probe=packed.grad.abs().amax().float())
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
-        loss = self._evaluate_closure(closure)
+    def _gradient_problem(self, largest: float) -> Optional[str]:
+        # Above _MAX_GRADIENT_ENTRY the squares summed into the AdaGrad state could overflow float32.
+        if largest < _MAX_GRADIENT_ENTRY:
+            return None
+        too_large = f"a gradient entry of {largest:.3g} is too large for the float32 state"
+        return super()._gradient_problem(largest) or too_large
 
-        # Validate and pack every group before any parameter or state changes.
-        stateless = self._stateless_params()
-        work = []
-        with nvtx_range("tritonopt/sparse_adagrad/pack"):
-            for index, group in enumerate(self.param_groups):
-                params = self._params_with_grad(group)
-                if not any(local_tensor(p).numel() for p in params):  # nothing to step here
-                    continue
-                packed = self._packed_group(index, group, params)
-                packed.layout.pack([p.grad for p in params], packed.grad)
-                work.append((group, params, packed))
-        if self._shards is not None:  # every rank takes part, holding a shard or not, and all decide alike
-            largest = self._shards.largest(torch.stack(
-                [packed.grad.abs().amax().float() for _, _, packed in work] or [torch.zeros(())]).max())
-        elif not work:
-            return loss
-        else:
-            # NaN and inf propagate into the maximum (one host sync). Above _MAX_GRADIENT_ENTRY
-            # the squares summed into the AdaGrad state could overflow float32.
-            largest = float(torch.stack([packed.grad.abs().amax() for _, _, packed in work]).max())
-        if not largest < _MAX_GRADIENT_ENTRY:
-            self._refuse_step("a gradient holds NaN or inf" if not math.isfinite(largest) else
-                              f"a gradient entry of {largest:.3g} is too large for the float32 state", stateless)
-            return loss
-
-        for group, params, packed in work:
-            self._update_group(group, params, packed)
-        return loss
-
-    def _update_group(self, group: dict, params: list[torch.Tensor], packed: PackedGroup) -> None:
-        layout = packed.layout
-        k = kept_per_block(group["density"], group["k"], layout.block_size)
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        with nvtx_range("tritonopt/sparse_adagrad/update"):
-            update = sparse_adagrad(packed.grad, packed.error, packed.sum_sq, packed.update, k=k, eps=eps)
-            apply_decoupled_update(layout.locals, layout.views(update), lr, wd)
-            for p in params:
-                self.state[p]["step"] += 1
+    def _update(self, work: list[StepWork], stateless) -> None:
+        for unit in work:
+            group, layout = unit.groups[0], unit.packed.layout
+            k = kept_per_block(group["density"], group["k"], layout.block_size)
+            with nvtx_range("tritonopt/sparse_adagrad/update"):
+                update = sparse_adagrad(unit.packed.grad, unit.packed.error, unit.packed.sum_sq,
+                                        unit.packed.update, k=k, eps=group["eps"])
+                apply_decoupled_update(layout.locals, layout.views(update), group["lr"], group["weight_decay"])
+                for p in unit.params:
+                    self.state[p]["step"] += 1

@@ -82,6 +82,7 @@ from tritonopt.optim._packed import (
     CheckpointSpec,
     PackedGroup,
     PackedOptimizer,
+    StepWork,
     available_memory,
     bind_flat_state,
 )
@@ -276,7 +277,8 @@ class WindowedPreconditioner(PackedOptimizer):
     def _initial_window(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
         return self.WINDOW.initial_state(self.state, group, layout, dtype)
 
-    def _packed_window(self, index: int, groups: list[dict], params: list[torch.Tensor]) -> PackedGroup:
+    def _packed_group(self, index: int, groups: list[dict], params: list[torch.Tensor]) -> PackedGroup:
+        """Window ``index``'s flat buffers for these parameters, rebuilt when the parameters or the window changed."""
         group = groups[0]
         packed = self._packed.get(index)
         if (
@@ -320,45 +322,34 @@ class WindowedPreconditioner(PackedOptimizer):
 
     # ------------------------------------------------------------------ step
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
-        """One optimization step; ``closure`` (optional) re-evaluates the model and returns the loss."""
-        loss = self._evaluate_closure(closure)
+    def _step_units(self) -> list[tuple[int, list[dict]]]:
+        return list(enumerate(self._windows()))
 
-        # Validate and pack every window before any parameter or state changes.
-        self._check_group_set(self.param_groups)
-        stateless = self._stateless_params()
-        work = []
-        with nvtx_range(f"tritonopt/{self.ALGO}/pack"):
-            for index, groups in enumerate(self._windows()):
-                params = [p for group in groups for p in group["params"]]
-                active = [p.grad is not None for p in params]
-                if not any(active):
-                    continue
-                self._check_grads([p for p, a in zip(params, active) if a])
-                packed = self._packed_window(index, groups, params)
-                sources = [p.grad if a else torch.zeros_like(p) for p, a in zip(params, active)]
-                packed.layout.pack(sources, packed.grad)
-                work.append((groups, params, active, packed))
-        if not work:
-            return loss
-        # max|g| * sqrt(d) bounds the norm; NaN and inf propagate into it (one host sync).
+    def _prepare(self, index: int, groups: list[dict]) -> Optional[StepWork]:
+        params = [p for group in groups for p in group["params"]]
+        active = [p.grad is not None for p in params]
+        if not any(active):
+            return None
+        packed = self._packed_group(index, groups, params)
+        sources = [p.grad if a else torch.zeros_like(p) for p, a in zip(params, active)]
+        packed.layout.pack(sources, packed.grad)
+        # max|g| * sqrt(d) bounds the norm (on shards: the model's largest entry and length, so every
+        # rank skips alike).
         if self._shards is None:
-            bounds = torch.stack([packed.grad.abs().amax() * math.sqrt(packed.layout.total) for *_, packed in work])
-            largest = float(bounds.max())
-        else:  # the model's largest entry and length: every rank skips alike
-            largest = self._shards.largest(torch.stack([
-                packed.grad.abs().amax().float() * math.sqrt(sum(p.numel() for p in params))
-                for _, params, _, packed in work]).max())
-        if not largest < MAX_GRADIENT_NORM:
-            self._refuse_step("a gradient holds NaN or inf" if not math.isfinite(largest) else
-                              f"a gradient is too large to precondition in float32 (norm up to {largest:.3g})",
-                              stateless)
-            return loss
+            probe = packed.grad.abs().amax() * math.sqrt(packed.layout.total)
+        else:
+            probe = packed.grad.abs().amax().float() * math.sqrt(sum(p.numel() for p in params))
+        return StepWork(index, groups, params, packed, probe, active=active)
 
-        for groups, params, active, packed in work:
-            self._update_window(groups, params, active, packed)
-        return loss
+    def _gradient_problem(self, largest: float) -> Optional[str]:
+        if largest < MAX_GRADIENT_NORM:  # NaN and inf fail it too
+            return None
+        too_large = f"a gradient is too large to precondition in float32 (norm up to {largest:.3g})"
+        return super()._gradient_problem(largest) or too_large
+
+    def _update(self, work: list[StepWork], stateless) -> None:
+        for unit in work:
+            self._update_window(unit.groups, unit.params, unit.active, unit.packed)
 
     def _direction(self, group: dict, packed: PackedGroup, active: list[bool]) -> torch.Tensor:
         """``u = w @ G`` after storing this step's ``x`` in the window, ``w = weights(dots, G x) + e_slot / scale``."""

@@ -1,0 +1,132 @@
+"""FOSI's checkpoints and copies: its global state beside the per-parameter one, checked before a load."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from tritonopt._validation import check_float, check_int
+
+BASE_STATE = {"adam": ("exp_avg", "exp_avg_sq"), "heavy_ball": ("momentum_buffer",), "sgd": ()}
+_GLOBAL_KEYS = ("eigenvalues", "all_eigenvalues", "ritz_scale", "g1_velocity", "base_scale", "step",
+                "base_step", "ese_count", "velocity_bound")
+
+
+class FOSICheckpoints:
+    """``state_dict`` (with ``"fosi"``: the global state), ``load_state_dict`` and pickling for :class:`FOSI`."""
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["fosi"] = {
+            "eigenvalues": self.eigenvalues.clone(),
+            "all_eigenvalues": self.all_eigenvalues.clone(),
+            "ritz_scale": self.ritz_scale,
+            "g1_velocity": None if self.g1_velocity is None else self.g1_velocity.clone(),
+            "base_scale": self.base_scale,
+            "step": self.step_count,
+            "base_step": self.base_step,
+            "ese_count": self.ese_count,
+            "velocity_bound": self.velocity_bound,
+            **self.subspace.identity(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict`; a malformed or foreign one raises before anything changes."""
+        extra, problem = None, None
+        try:
+            if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+                raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (an optimizer's "
+                                 "state_dict)")
+            state_dict = dict(state_dict)
+            extra = state_dict.pop("fosi", None)
+            if extra is None:
+                raise ValueError("state_dict has no 'fosi' entry: it was not saved by FOSI")
+            self._check_saved(state_dict, extra)
+        except ValueError as exc:
+            problem = exc
+        except TypeError as exc:  # a field of the wrong kind is a bad value of the state dict
+            problem = ValueError(str(exc))
+            problem.__cause__ = exc
+        device = self._trainable()[0].device if self._trainable() else torch.device("cpu")
+        # Raises ``problem``; a distributed subspace first agrees with the other ranks.
+        self.subspace.check_checkpoint(extra, device, problem)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["betas"] = tuple(group["betas"])
+            group.setdefault("initial_lr", group["lr"])
+        self.eigenvalues = extra["eigenvalues"].to(torch.float64).clone()
+        self.all_eigenvalues = extra["all_eigenvalues"].to(torch.float64).clone()
+        self.ritz_scale = float(extra["ritz_scale"])
+        velocity = extra["g1_velocity"]
+        self.g1_velocity = None if velocity is None else velocity.to(device=device, copy=True)
+        self.base_scale = float(extra["base_scale"])
+        self.step_count, self.base_step = int(extra["step"]), int(extra["base_step"])
+        self.ese_count = int(extra["ese_count"])
+        self.velocity_bound = float(extra["velocity_bound"])
+
+    def _check_saved(self, state_dict: dict, extra) -> None:
+        """Everything a load relies on, checked before anything changes (names the first problem)."""
+        if not isinstance(extra, dict):
+            raise ValueError(f"state_dict['fosi'] must be a dict, got {type(extra).__name__}")
+        missing = [key for key in _GLOBAL_KEYS if key not in extra]
+        if missing:
+            raise ValueError(f"state_dict['fosi'] lacks {missing}")
+        for key in ("eigenvalues", "all_eigenvalues"):
+            value = extra[key]
+            if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
+                raise ValueError(f"state_dict['fosi'][{key!r}] must be a 1-D float tensor")
+            if value.numel() > self.config.k + self.config.l:
+                raise ValueError(f"state_dict['fosi'][{key!r}] holds {value.numel()} Ritz values but this "
+                                 f"optimizer keeps at most k + l = {self.config.k + self.config.l}")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"state_dict['fosi'][{key!r}] holds NaN or inf")
+        for key in ("ritz_scale", "base_scale", "velocity_bound"):
+            check_float(f"state_dict['fosi'][{key!r}]", extra[key], low=0.0)
+        for key in ("step", "base_step", "ese_count"):
+            check_int(f"state_dict['fosi'][{key!r}]", extra[key], low=0)
+        rank = extra["eigenvalues"].numel()
+        velocity = extra["g1_velocity"]
+        if velocity is not None and (not isinstance(velocity, torch.Tensor) or velocity.shape != (rank,)
+                                     or not bool(torch.isfinite(velocity).all())):
+            raise ValueError(f"state_dict['fosi']['g1_velocity'] must be None or a finite [{rank}] tensor")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}")
+        # The rule every packed optimizer keeps (the parameter layout it was saved for, the
+        # hyperparameters, skipped_steps), here so that a distributed subspace agrees on it.
+        super().check_state_dict(state_dict)
+        saved = state_dict["state"]
+        expected = {*BASE_STATE[self.config.base], "eigenvectors"}
+        for group, saved_group in zip(self.param_groups, groups):
+            if len(group["params"]) != len(saved_group.get("params", ())):
+                raise ValueError("state_dict's parameter groups hold other numbers of parameters")
+            for p, pid in zip(group["params"], saved_group["params"]):
+                entry = saved.get(pid)
+                if not p.requires_grad:
+                    continue
+                if not entry:
+                    if saved:
+                        raise ValueError(f"state_dict has no state for parameter {pid} while others have some")
+                    continue
+                if set(entry) != expected:
+                    raise ValueError(f"state_dict holds state {sorted(entry)} for parameter {pid}; FOSI with "
+                                     f"base={self.config.base!r} keeps {sorted(expected)}")
+                for name, value in entry.items():
+                    shape = (rank, *p.shape) if name == "eigenvectors" else tuple(p.shape)
+                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                        raise ValueError(f"state {name!r} of parameter {pid} must have shape {shape}, got {got}")
+                    if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+                        raise ValueError(f"state {name!r} of parameter {pid} must be finite floating point")
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        # Per-parameter state entries are views of flat buffers; a pickle would store the
+        # whole buffer once per view. Standalone copies keep it the size of the state.
+        state["state"] = defaultdict(dict, {
+            p: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entry.items()}
+            for p, entry in self.state.items()
+        })
+        return state
