@@ -10,7 +10,7 @@ STAMP := $(VENV)/.tritonopt-installed
 # pip shows what it downloads and installs; PIP_FLAGS=--quiet silences it.
 PIP_FLAGS ?=
 
-.PHONY: docs install test test-experiments test-all compile-check demo demo-reference experiments bench autotune anchors bench-anchors clean
+.PHONY: docs install test test-smoke test-all compile-check demo demo-reference experiments bench autotune anchors bench-anchors clean
 
 install: $(STAMP)
 
@@ -29,10 +29,10 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(PY) -m pytest -q
 
-# The smoke runs of the papers' experiments and the demo (a few CPU minutes): CI runs them after
-# the default suite.
-test-experiments: install
-	$(PY) -m pytest -q -m "experiment and not slow and not gpu"
+# Every perf script run end to end in smoke mode (the experiments, the demo, the benchmarks: a few
+# CPU minutes of subprocesses); CI runs them after the default suite.
+test-smoke: install
+	$(PY) -m pytest -q -m "smoke and not slow and not gpu"
 
 test-all: install
 	$(PY) -m pytest -q -m "not gpu"

@@ -53,10 +53,8 @@ _SMOKE_ROOT = Path(tempfile.mkdtemp(prefix="perf-smoke-"))
 atexit.register(shutil.rmtree, _SMOKE_ROOT, ignore_errors=True)
 
 
-# The papers' experiments and the demo: their smoke runs train for real (tens of CPU seconds each),
-# so their tests carry the ``experiment`` mark and run in ``make test-experiments``, not the default suite.
-EXPERIMENT_SCRIPTS = frozenset({"comm_hooks_experiment", "demo_digits", "dsp_experiment", "efcp_experiment",
-                                "fosi_experiment", "kaisa_tradeoff", "kfac_experiment", "ssd_sgd_experiment"})
+# A test that runs a perf script end to end (a subprocess: seconds of interpreter start-up, and for the
+# experiments real training) carries the ``smoke`` mark: ``make test-smoke`` runs those, not the default suite.
 
 # Extra arguments of a script's smoke run, where its default leaves something out.
 SMOKE_ARGS = {"autotune": ("--model", "resnet18", "bert-base")}

@@ -151,6 +151,7 @@ def test_progress_is_a_bar_whatever_answers_to_tqdm(tqdm, monkeypatch):
         bar.update(1)
 
 
+@pytest.mark.smoke
 def test_smoke_run_with_the_checkouts(tmp_path):
     absent = [CHECKOUTS[folder] for folder in CHECKOUTS if not (ANCHORS / folder).is_dir()]
     if absent:

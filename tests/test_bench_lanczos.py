@@ -59,6 +59,7 @@ def test_floor_formulas(bench_module):
     assert bench_module.fosi_step_floor_bytes(1000, 24) == 82 * 1000 * 4
 
 
+@pytest.mark.smoke
 def test_bench_lanczos_smoke_writes_results():
     result, tmp_path = smoke_run("bench_lanczos")
     output = output_of(result)

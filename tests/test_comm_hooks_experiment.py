@@ -10,7 +10,7 @@ needs_sklearn = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, 
 
 
 @needs_sklearn
-@pytest.mark.experiment
+@pytest.mark.smoke
 def test_smoke_run_compares_the_four_hooks_and_counts_their_bytes():
     result, out = smoke_run("comm_hooks_experiment")
     output = output_of(result)

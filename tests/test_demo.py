@@ -13,7 +13,7 @@ from _perf import REPO_ROOT, output_of, perf_module, read_csv, smoke_run
 pytest.importorskip("sklearn")
 
 
-@pytest.mark.experiment
+@pytest.mark.smoke
 def test_one_epoch_of_every_optimizer():
     result, out = smoke_run("demo_digits")
     assert result.returncode == 0, output_of(result)

@@ -9,7 +9,7 @@ from _perf import output_of, perf_module, read_csv, run_script, smoke_run
 MODES = {"BP (1 process)", "BP-K", "GPipe", "DSP m=1", "DSP m=2", "DSP m=4"}
 
 
-@pytest.mark.experiment
+@pytest.mark.smoke
 def test_smoke_run_writes_every_result():
     result, out = smoke_run("dsp_experiment")
     output = output_of(result)
@@ -61,6 +61,7 @@ def test_the_claims_follow_the_measurements():
     assert not experiment.claims(setup, summary, per_rank)[0].holds
 
 
+@pytest.mark.smoke
 def test_help_and_bad_arguments():
     result = run_script("dsp_experiment", "--help", timeout=60)
     assert result.returncode == 0 and "--smoke" in result.stdout

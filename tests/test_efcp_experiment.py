@@ -14,7 +14,7 @@ CLAIM_RUNS = ["D-MFAC", "S-MFAC 1% EF", "S-MFAC 1% no EF"]
 
 
 @needs_sklearn
-@pytest.mark.experiment
+@pytest.mark.smoke
 def test_experiment_smoke_writes_table_plot_and_summary():
     result, out = smoke_run("efcp_experiment")
     output = output_of(result)
@@ -65,6 +65,7 @@ def test_demo_entries_follow_the_train_step_protocol():
         assert step.state_bytes() > 0
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script, stem", [("bench_sparse_ring", "sparse_ring"), ("bench_lowrank", "lowrank")])
 def test_benchmark_smoke_writes_results(script, stem):
     result, out = smoke_run(script)
@@ -78,6 +79,7 @@ def test_benchmark_smoke_writes_results(script, stem):
         assert not any(row["provider"].endswith("triton") for row in rows), "CPU numbers labelled as Triton"
 
 
+@pytest.mark.smoke
 def test_sparse_ring_floors_follow_their_formulas():
     bench = perf_module("bench_sparse_ring")
     result, out = smoke_run("bench_sparse_ring")

@@ -11,7 +11,7 @@ DHO2 = "DHO2 (2 ranks)"
 MR_RUNS = ("MR-DHO2 (2+2 ranks, p = sum of gradients)", "MR-DHO2 (2+2 ranks, p = mean of gradients)")
 
 
-pytestmark = pytest.mark.experiment
+pytestmark = pytest.mark.smoke
 
 
 @pytest.fixture(scope="module")

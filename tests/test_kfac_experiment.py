@@ -32,7 +32,7 @@ def convergence_smoke():
 read_rows = read_csv
 
 
-@pytest.mark.experiment
+@pytest.mark.smoke
 @pytest.mark.parametrize("task", ["autoencoder", "classifier"])
 def test_convergence_experiment_smoke(convergence_smoke, task):
     stem = convergence_smoke / f"kfac_{task}"
@@ -70,7 +70,7 @@ def test_convergence_experiment_smoke(convergence_smoke, task):
         assert Path(f"{stem}.png").stat().st_size > 0
 
 
-@pytest.mark.experiment
+@pytest.mark.smoke
 def test_only_the_chosen_task_runs():
     result, out = run_smoke("kfac_experiment", "--no-progress", "--task", "autoencoder")
     assert (out / "kfac_autoencoder.md").exists()
@@ -131,7 +131,7 @@ def test_autoencoder_shape():
     assert ((0 < out) & (out < 1)).all()
 
 
-@pytest.mark.experiment
+@pytest.mark.smoke
 def test_tradeoff_smoke_matches_formulas():
     result, out = run_smoke("kaisa_tradeoff")
     assert "PASS: measured K-FAC memory and bytes received equal the formulas" in result.stdout
@@ -147,6 +147,7 @@ def test_tradeoff_smoke_matches_formulas():
     assert mean_eigen[0.5] == 2 * mean_eigen[0.25] and mean_eigen[1.0] == 4 * mean_eigen[0.25]
 
 
+@pytest.mark.smoke
 def test_bench_smoke():
     result, out = run_smoke("bench_kfac")
     rows = read_csv(out / "kfac.csv")

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from _perf import EXPERIMENT_SCRIPTS, PERF_DIR, REPO_ROOT, SCRIPTS, output_of, perf_module, read_csv, run_script, smoke_run
+from _perf import PERF_DIR, REPO_ROOT, SCRIPTS, output_of, perf_module, read_csv, run_script, smoke_run
 
 # What each script's smoke run must write (beside its table on stdout).
 SMOKE_OUTPUTS = {
@@ -56,11 +56,9 @@ def test_help(name):
     assert text.startswith("usage:") and "--smoke" in text and "--out" in text, text
 
 
-def _smoke_marks(name: str) -> list:
-    return ([pytest.mark.slow] if name in SLOW_SMOKE else []) + ([pytest.mark.experiment] if name in EXPERIMENT_SCRIPTS else [])
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=_smoke_marks(name)) for name in SCRIPTS])
+@pytest.mark.smoke
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_SMOKE else name
+                                  for name in SCRIPTS])
 def test_smoke(name):
     result, out = smoke_run(name)
     assert result.returncode == 0, output_of(result)
@@ -72,12 +70,14 @@ def test_smoke(name):
         assert {"device", "torch_version", "git_sha", "timestamp"} <= set(rows[0]), path.name
 
 
+@pytest.mark.smoke
 def test_a_script_runs_as_a_file_too(tmp_path):
     result = run_script("bench_ef_topk", "--smoke", "--out", str(tmp_path), as_file=True)
     assert result.returncode == 0, output_of(result)
     assert (tmp_path / "ef_topk.csv").exists()
 
 
+@pytest.mark.smoke
 def test_benchmark_providers_on_this_machine():
     result, out = smoke_run("bench_ef_topk")
     rows = read_csv(out / "ef_topk.csv")
@@ -97,6 +97,7 @@ def test_benchmark_providers_on_this_machine():
             int(row["num_blocks"]), int(row["block_size"]), int(row["k"]), 4)
 
 
+@pytest.mark.smoke
 def test_autotune_smoke_runs_every_workload():
     result, out = smoke_run("autotune")
     assert result.returncode == 0, output_of(result)
@@ -112,6 +113,7 @@ def test_autotune_smoke_runs_every_workload():
         assert "no CUDA device" in output_of(result)
 
 
+@pytest.mark.smoke
 def test_optimizer_step_bench_covers_every_optimizer():
     result, out = smoke_run("bench_optimizer_step")
     rows = {row["optimizer"]: row for row in read_csv(out / "optimizer_step.csv")}

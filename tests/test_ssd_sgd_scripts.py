@@ -10,6 +10,7 @@ from _perf import output_of, perf_module, read_csv, smoke_run
 import tritonopt
 
 
+@pytest.mark.smoke
 def test_benchmark_smoke_times_both_steps_against_their_floors():
     result, out = smoke_run("bench_ssd_sgd")
     output = output_of(result)
