@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(PY) -m pytest -q
 
-# Every perf script run end to end in smoke mode (the experiments, the demo, the benchmarks: a few
-# CPU minutes of subprocesses); CI runs them after the default suite.
+# Every script run end to end as a subprocess: the perf scripts in smoke mode (the experiments, the
+# demo, the benchmarks), the docs' whole scripts under torchrun, gpu_run.sh (a few CPU minutes);
+# CI runs them after the default suite.
 test-smoke: install
 	$(PY) -m pytest -q -m "smoke and not slow and not gpu"
 

@@ -24,6 +24,7 @@ def test_the_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
 
+@pytest.mark.smoke
 def test_every_documented_phase_is_handled_and_an_unknown_one_is_refused(tmp_path):
     text = SCRIPT.read_text()
     documented = re.findall(r"^#   (\w+)\s+\d+\s", text, re.M)
@@ -34,6 +35,7 @@ def test_every_documented_phase_is_handled_and_an_unknown_one_is_refused(tmp_pat
     assert result.returncode == 2 and "unknown phase no_such_phase" in result.stdout
 
 
+@pytest.mark.smoke
 def test_the_bench_phase_runs_every_kernel_benchmark(tmp_path):
     # PYTHON=echo-like stand-in: a python that only records the modules it was asked to run.
     recorder = tmp_path / "python"

@@ -128,6 +128,7 @@ def torchrun_scripts() -> list[tuple[Block, str, int, list[str], str]]:
     return found
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script", torchrun_scripts(), ids=lambda s: s[0].id)
 def test_torchrun_scripts_print_what_the_readme_shows(script, tmp_path):
     block, filename, ranks, variants, shown = script
@@ -144,6 +145,7 @@ def test_torchrun_scripts_print_what_the_readme_shows(script, tmp_path):
     assert "".join(printed).split() == shown.split()
 
 
+@pytest.mark.smoke
 def test_the_first_script_trains_as_the_readme_says(tmp_path):
     """The README's first example, run alone, prints a loss, an accuracy and a state size like those it quotes."""
     first = next(b for b in python_blocks() if b.document == "README.md")
