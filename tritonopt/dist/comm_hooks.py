@@ -408,6 +408,13 @@ def _raise_if_failed(fut, work) -> None:
         raise work._failure(exc) from exc
 
 
+def _autocast_off(buffer: torch.Tensor):
+    """No autocast for the hook's products. A backward run under autocast would otherwise round them to
+    half precision on the thread that calls the hook, but not on the thread that completes a collective
+    and runs its callback: ranks whose collectives finish at other moments would average differently."""
+    return torch.autocast(buffer.device.type, enabled=False)
+
+
 def _check_call(state, state_class, bucket) -> torch.Tensor:
     if not isinstance(state, state_class):
         raise TypeError(f"state must be an instance of {state_class.__name__}, got {type(state).__name__}")
@@ -998,7 +1005,7 @@ def lowrank_ef_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futur
     world = state._world_size()
     compressed, plain = [], []  # (gradient view, n, m, r) and gradient views
     factors = []
-    with nvtx_range("tritonopt/lowrank_hook/compress"):
+    with nvtx_range("tritonopt/lowrank_hook/compress"), _autocast_off(buffer):
         for parameter, key, grad in zip(parameters, keys, bucket.gradients()):
             shape = state.compressed_shape(grad.shape)
             if shape is None:
@@ -1030,7 +1037,7 @@ def lowrank_ef_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futur
     def average(fut) -> torch.Tensor:
         for future, work in zip(futures, works):
             _raise_if_failed(future, work)
-        with nvtx_range("tritonopt/lowrank_hook/average"):
+        with nvtx_range("tritonopt/lowrank_hook/average"), _autocast_off(buffer):
             if compressed:
                 per_rank = gathered.view(world, -1)
                 offset = 0
