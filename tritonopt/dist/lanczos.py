@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from tritonopt._validation import check_bool, check_float, check_int
 from tritonopt.dist._agreement import check_ranks_agree
+from tritonopt.dist._collective_guard import GuardedCommunicator, group_timeout
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.ops import gram_schmidt_coefficients, gram_schmidt_subtract
 from tritonopt.optim.lanczos import LanczosResult, check_lanczos_arguments, default_breakdown_rtol, lanczos_loop
@@ -83,10 +84,16 @@ def distributed_lanczos(
     Every rank must call it with the same ``n``, ``num_iters``, ``dtype``,
     ``passes``, ``seed``, ``breakdown_rtol`` and ``data_parallel_hvp``: a
     start-up agreement (module docstring) checks them and raises ``ValueError``
-    on every rank, naming each setting that differs.
+    on every rank, naming each setting that differs. It creates no group: a rank
+    that dies or stalls makes the others raise
+    :class:`~tritonopt.dist.CollectiveFailure` (naming the collective and the
+    ranks) within ``group``'s timeout, so pass a group created with the timeout
+    you want.
     Host synchronisations: one per iteration, as the single-process loop.
     """
     comm = CountingCommunicator(group) if comm is None else comm
+    if not isinstance(comm, GuardedCommunicator):  # DHO2 passes its own, which names DHO2
+        comm = GuardedCommunicator(comm, layer="distributed_lanczos", timeout=group_timeout(group))
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     problem, settings = None, None
     try:
