@@ -41,9 +41,7 @@ if __name__ == "__main__" and not __package__:  # python perf/comm_hooks_experim
     _as_module.run(__file__)
 
 import argparse
-import socket
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -51,10 +49,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from perf import _harness as harness
+from perf import _ranks as ranks
 from perf._digits import BATCH_SIZE, TRAIN_SIZE, load_digits_split, make_mlp, train
 from tritonopt.dist import EFTopKState, LowRankState, ef_topk_hook, lowrank_ef_hook
 
@@ -178,23 +176,15 @@ def train_rank(rank: int, world: int, config: dict) -> list[dict]:
     return rows
 
 
-def _rank_main(rank: int, world: int, port: int, config: dict, result_dir: str) -> None:
-    torch.set_num_threads(1)  # 2 ranks on 2 cores: more threads only fight each other
+def _rank_main(rank: int, world: int, config: dict) -> list[dict]:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames the all-gather
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.save(train_rank(rank, world, config), Path(result_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    return train_rank(rank, world, config)
 
 
 def run_on_ranks(config: dict) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(_rank_main, args=(WORLD, port, config, result_dir), nprocs=WORLD, join=True)
-        return [row for r in range(WORLD) for row in torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=True)]
+    # One thread per rank (2 ranks on 2 cores: more threads only fight each other).
+    return [row for rows in ranks.run_on_ranks(WORLD, _rank_main, config, timeout=None, weights_only=True)
+            for row in rows]
 
 
 # --------------------------------------------------------------------------- reporting

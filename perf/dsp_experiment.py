@@ -79,24 +79,20 @@ if __name__ == "__main__" and not __package__:  # python perf/dsp_experiment.py
 
     _as_module.run(__file__)
 
-import io
 import math
 import os
-import queue
 import random
-import socket
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from perf import _harness as harness
+from perf import _ranks as ranks
 from tritonopt.dist import DSPStage, split_stages
 
 NAME = "dsp"
@@ -348,54 +344,16 @@ def run_rank(rank: int, setup: Setup) -> dict:
     return {"runs": runs, "losses": losses, "states": states}
 
 
-def _to_bytes(value) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _worker(rank, port, setup, results):
-    torch.set_num_threads(1)
-    # A session of its own: with the kernel's autogroup scheduling (sched_autogroup_enabled), the
-    # processes of one session share one slice of a busy machine, which would make the two ranks
-    # one device. Each rank stands for a device of its own, as in the paper; on an idle machine
-    # this changes nothing.
-    os.setsid()
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-        try:
-            results.put((rank, "ok", _to_bytes(run_rank(rank, setup))))
-            dist.barrier()  # both results are queued before either process tears the group down
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+def _rank_main(rank: int, world: int, setup: Setup) -> dict:
+    return run_rank(rank, setup)
 
 
 def run_ranks(setup: Setup, timeout: float = 3600.0) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, setup, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < WORLD:
-            rank, status, value = results.get(timeout=timeout)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = torch.load(io.BytesIO(value), weights_only=True)
-    except queue.Empty:
-        raise RuntimeError(f"timed out after {timeout} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(WORLD)]
+    # Each rank in a session of its own: with the kernel's autogroup scheduling
+    # (sched_autogroup_enabled), the processes of one session share one slice of a busy machine,
+    # which would make the two ranks one device. Each rank stands for a device of its own, as in
+    # the paper; on an idle machine this changes nothing.
+    return ranks.run_on_ranks(WORLD, _rank_main, setup, timeout=timeout, own_session=True, weights_only=True)
 
 
 # --------------------------------------------------------------------------- analysis

@@ -52,8 +52,6 @@ if __name__ == "__main__" and not __package__:  # python perf/fosi_experiment.py
 import dataclasses
 import datetime
 import math
-import socket
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -61,9 +59,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from perf import _harness as harness
+from perf import _ranks as ranks
 from perf._digits import TRAIN_SIZE, evaluate, load_digits_split, make_mlp, train
 from perf._optimizers import FosiStep, fosi_hyperparameters
 from tritonopt.dist import DHO2, MRDHO2
@@ -223,32 +221,17 @@ def run_single_process(setup: DigitsSetup, data) -> tuple[dict, dict]:
 # --------------------------------------------------------------------------- digits: gloo ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, target: Callable, setup: DigitsSetup, data,
-               result_dir: str) -> None:
-    """Entry point of a spawned rank: one thread, a gloo group, ``target``'s result saved to a file."""
-    torch.set_num_threads(1)  # 2 ranks on 2 cores: more threads only fight each other
+def _rank_main(rank: int, world: int, target: Callable, setup: DigitsSetup, data):
+    """Entry point of a spawned rank: ``target``'s result."""
     # torch 2.13 deprecates dist.all_gather_into_tensor, which the library's communicator calls: noise here.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
-    try:
-        result = target(rank, world, setup, data)
-        torch.save(result, Path(result_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    return target(rank, world, setup, data)
 
 
 def run_on_gloo_ranks(world: int, target: Callable, setup: DigitsSetup, data) -> list:
     """``[target(rank, world, setup, data) for every rank]``, each rank a spawned process of one gloo group."""
-    with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(_rank_main, args=(world, _free_port(), target, setup, data, result_dir), nprocs=world, join=True)
-        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    return ranks.run_on_ranks(world, _rank_main, target, setup, data, timeout=None, weights_only=True,
+                              group_timeout=COLLECTIVE_TIMEOUT.total_seconds())
 
 
 def comm_rows(run: str, rank: int, comm: CountingCommunicator) -> list[dict]:

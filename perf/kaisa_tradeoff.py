@@ -30,20 +30,17 @@ if __name__ == "__main__" and not __package__:  # python perf/kaisa_tradeoff.py
     _as_module.run(__file__)
 
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from perf import _harness as harness
+from perf import _ranks as ranks
 from tritonopt.dist import KAISAAssignment, KAISAPreconditioner
 from tritonopt.dist.kaisa import expected_bytes_per_rank, expected_memory_per_rank
 
@@ -128,42 +125,8 @@ def run_rank(rank: int, world: int, steps: int) -> list[dict]:
     return rows
 
 
-def _worker(rank, world, port, steps, results):
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        try:
-            results.put((rank, "ok", run_rank(rank, world, steps)))
-            dist.barrier()  # keep every rank alive until all results are queued
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
 def run_all(steps: int, timeout: float = 300.0) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, WORLD, port, steps, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    rows = []
-    try:
-        for _ in range(WORLD):
-            rank, status, value = results.get(timeout=timeout)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            rows += value
-    except queue.Empty:
-        raise RuntimeError(f"timed out after {timeout} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    rows = [row for rank_rows in ranks.run_on_ranks(WORLD, run_rank, steps, timeout=timeout) for row in rank_rows]
     return sorted(rows, key=lambda r: (r["fraction"], r["rank"]))
 
 

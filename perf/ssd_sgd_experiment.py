@@ -67,11 +67,8 @@ if __name__ == "__main__" and not __package__:  # python perf/ssd_sgd_experiment
 
 import datetime
 import math
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -80,11 +77,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from perf import _harness as harness
+from perf import _ranks as ranks
 from tritonopt.dist import SSDSGD, CountingCommunicator
 
 NAME = "ssd_sgd"
@@ -343,36 +340,27 @@ def train_post_local(rank, setup, run, seed, data, link) -> dict:
                 global_acc=accuracy(model, x_test, y_test), local_acc=local_acc, losses=losses)
 
 
-def rank_main(rank: int, port: int, setup: Setup, result_dir: str) -> None:
-    torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only fight each other
-    os.environ.pop("TRITON_INTERPRET", None)  # CPU tensors take the reference path
+def rank_main(rank: int, world: int, setup: Setup) -> list[dict]:
+    """One rank's runs (every seed and method), on the process group :func:`run_all` set up."""
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=COLLECTIVE_TIMEOUT)
-    try:
-        data = make_data(setup)
-        link = LinkTime(setup.bandwidth_mbps, setup.latency_ms, WORLD)
-        results = []
-        for seed in setup.seeds:
-            for run in runs():
-                train = train_ssd if run.kind == "ssd" else train_post_local
-                result = train(rank, setup, run, seed, data, link)
-                results.append(dict(run=run.name, seed=seed, **result))
-                if rank == 0:
-                    print(f"  seed {seed} {run.name:<32} {result['seconds']:6.1f} s  "
-                          f"global acc {result['global_acc']:.2f} %", flush=True)
-        torch.save(results, Path(result_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    data = make_data(setup)
+    link = LinkTime(setup.bandwidth_mbps, setup.latency_ms, world)
+    results = []
+    for seed in setup.seeds:
+        for run in runs():
+            train = train_ssd if run.kind == "ssd" else train_post_local
+            result = train(rank, setup, run, seed, data, link)
+            results.append(dict(run=run.name, seed=seed, **result))
+            if rank == 0:
+                print(f"  seed {seed} {run.name:<32} {result['seconds']:6.1f} s  "
+                      f"global acc {result['global_acc']:.2f} %", flush=True)
+    return results
 
 
 def run_all(setup: Setup) -> list[list[dict]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(rank_main, args=(port, setup, result_dir), nprocs=WORLD, join=True)
-        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    # One thread per rank (4 ranks on 2 cores); CPU tensors take the reference path.
+    return ranks.run_on_ranks(WORLD, rank_main, setup, timeout=None, env={"TRITON_INTERPRET": None},
+                              group_timeout=COLLECTIVE_TIMEOUT.total_seconds(), weights_only=True)
 
 
 # --------------------------------------------------------------------------- summary

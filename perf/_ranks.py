@@ -1,0 +1,161 @@
+"""Run a function on several gloo ranks of this machine, each in a fresh process, and collect what each returns.
+
+The one launcher of the experiments and the distributed tests. Each rank runs
+``fn(rank, world_size, *args)`` after joining a gloo process group on
+127.0.0.1, with one torch thread (several ranks share a few cores) and the
+environment changes asked for; what each rank returns travels back through
+``torch.save`` bytes, so CPU tensors outlive the process that made them. A rank
+that raises, or a run that exceeds its time, fails with every rank's traceback
+instead of hanging the caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_on_ranks"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_bytes(value: Any) -> bytes:
+    # Tensors put on an mp queue travel as shared-memory handles that vanish
+    # when the sending process exits before the parent reads them; bytes do not.
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(payload: bytes, weights_only: bool) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=weights_only)
+
+
+def _set_environment(env: Mapping[str, Optional[str]]) -> None:
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _worker(rank, world_size, port, fn, args, results, teardown, env, group_timeout, own_session):
+    try:
+        torch.set_num_threads(1)
+        if own_session:
+            os.setsid()
+        _set_environment(env)
+        kwargs = {} if group_timeout is None else {"timeout": datetime.timedelta(seconds=group_timeout)}
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, **kwargs)
+        try:
+            results.put((rank, "ok", _to_bytes(fn(rank, world_size, *args))))
+            if teardown:
+                dist.barrier()  # every rank's result is queued before any rank tears the group down
+        finally:
+            if teardown:
+                dist.destroy_process_group()
+    except BaseException:  # report the failure to the parent instead of hanging it
+        results.put((rank, "error", traceback.format_exc()))
+    if not teardown:
+        # A scenario that left a group broken on purpose (a rank stalled): destroying it could wait on a
+        # peer that never comes, so report and leave at once.
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+def run_on_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: Optional[float] = 240.0,
+    teardown: bool = True,
+    env: Optional[Mapping[str, Optional[str]]] = None,
+    group_timeout: Optional[float] = None,
+    weights_only: bool = False,
+    own_session: bool = False,
+) -> list[Any]:
+    """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
+
+    Args:
+        fn: a module-level function (pickled by reference) returning something
+            ``torch.save`` can write.
+        timeout: seconds to wait for all ranks before failing (None: no limit; a rank
+            that dies before reporting fails the run at once either way).
+        teardown: destroy the process group after ``fn``; ``False`` for
+            scenarios that leave a group broken on purpose.
+        env: environment variables to set in each rank before anything runs
+            (``None`` removes one).
+        group_timeout: the process group's timeout in seconds (torch's default if None).
+        weights_only: read the ranks' results with ``torch.load(weights_only=True)``
+            (numbers, strings, lists, dicts and tensors only).
+        own_session: each rank starts a session of its own (``os.setsid``), so that
+            the kernel's autogroup scheduling treats the ranks as separate devices
+            rather than one slice of a busy machine (the timing experiments).
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message), or the
+            ranks did not all report within ``timeout``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(rank, world_size, port, fn, args, results, teardown, dict(env or {}), group_timeout,
+                               own_session))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: list[str] = []
+    began = time.monotonic()
+    try:
+        while len(outputs) < world_size and not errors:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                waiting = sorted(set(range(world_size)) - set(outputs))
+                # A rank killed by a signal (or os._exit before reporting) never reports: say so at once.
+                dead = [r for r in waiting if not procs[r].is_alive() and procs[r].exitcode not in (None, 0)]
+                if dead:
+                    errors += [f"rank {r} exited with code {procs[r].exitcode} before reporting" for r in dead]
+                elif timeout is not None and time.monotonic() - began > timeout:
+                    errors.append(f"timed out after {timeout} s waiting for ranks {waiting}")
+                continue
+            if status == "ok":
+                outputs[rank] = _from_bytes(value, weights_only)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    finally:
+        # Which ranks had died on their own, before any is killed below.
+        died = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        # Name any rank that died without a word: its peers' errors (a reset connection) follow from it.
+        errors += [f"rank {r} exited with code {code} before reporting" for r, code in died.items()
+                   if r not in outputs and f"rank {r} exited" not in "".join(errors)]
+        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+    return [outputs[r] for r in range(world_size)]
