@@ -1,6 +1,6 @@
 """Every optimizer of the contract table (``_optim_table.OPTIMIZERS``, and KAISA in one process)
-trains a small classifier with its forward under ``torch.autocast("cpu", torch.bfloat16)``, and
-with a ``torch.amp.GradScaler`` where its stepping optimizer is a ``torch.optim.Optimizer``.
+trains a small classifier with its forward under ``torch.autocast("cpu", dtype)`` for bfloat16 and
+float16, and with a ``torch.amp.GradScaler`` where its stepping optimizer is a ``torch.optim.Optimizer``.
 
 Each run must raise nothing, keep every parameter finite, lower the float32 loss of its batch,
 and take a first step close to the float32 run's (see ``FIRST_UPDATE_TOLERANCE``).
@@ -18,9 +18,10 @@ from tritonopt.dist.kaisa import KAISAPreconditioner
 from tritonopt.optim.kfac_base import BaseKFACPreconditioner
 
 STEPS = 5
-AUTOCAST_DTYPE = torch.bfloat16
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The relative distance allowed between the first update under bfloat16 autocast and the float32
-# run's. The forward rounds the input, the weights and each activation to bfloat16 (u = 2^-8) and
+# run's. The forward rounds the input, the weights and each activation to bfloat16 (u = 2^-8; float16's
+# u = 2^-11 is finer, so the bound covers it too) and
 # the backward rounds each gradient product again, so the gradient is off by about u relative; the
 # optimizers map it to their first update with a gain near one (normalised, damped or clipped):
 # 4.3e-3 at most measured here, 1.1 u. 2^-5 is eight bfloat16 units; an update computed from a
@@ -95,7 +96,7 @@ class Training:
         for optimizer in self.optimizers:
             if isinstance(optimizer, torch.optim.Optimizer):
                 optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=dtype or AUTOCAST_DTYPE, enabled=dtype is not None):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = nn.functional.cross_entropy(self.model(self.x), self.y)
         if self.scaler is None:
             loss.backward()
@@ -126,18 +127,19 @@ def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("dtype", list(AUTOCAST_DTYPES.values()), ids=list(AUTOCAST_DTYPES))
 @pytest.mark.parametrize("scaled", [False, True], ids=["autocast", "autocast_grad_scaler"])
 @pytest.mark.parametrize("info", [pytest.param(info, id=info.name) for info in INFOS])
-def test_trains_under_bfloat16_autocast(info, scaled):
+def test_trains_under_autocast(info, scaled, dtype):
     training = Training(info, torch.amp.GradScaler("cpu") if scaled else None)
     if scaled and not isinstance(training.optimizer, torch.optim.Optimizer):
         pytest.skip(f"{info.name} is not stepped by a torch.optim.Optimizer, which a GradScaler steps")
     initial_loss, before = training.loss(), training.params()
-    training.step(AUTOCAST_DTYPE)
+    training.step(dtype)
     first = training.params() - before
     for _ in range(STEPS - 1):
         assert training.params().isfinite().all()
-        training.step(AUTOCAST_DTYPE)
+        training.step(dtype)
     assert training.params().isfinite().all()
     assert training.loss() < initial_loss
     assert relative_distance(first, float32_first_update(info)) <= FIRST_UPDATE_TOLERANCE
