@@ -34,7 +34,10 @@ Traffic per element at float32: 32 bytes for the common step (read p, g, pre,
 sw, smom; write p, sw, smom), 36 after a pull (p is not read; pre and
 sync_mom are written). One program per ``BLOCK`` elements, masked tail,
 int64 offsets; the scalars are runtime arguments, so a learning-rate schedule
-never recompiles.
+never recompiles. The launcher passes the largest power of two dividing ``n``
+(``N_ALIGN``), so that the masked loads are vectors for a length such as
+ResNet-18's 11,689,512 parameters, which Triton's own specialisation (on
+multiples of 16) does not see.
 """
 
 from __future__ import annotations
@@ -46,10 +49,7 @@ from typing import Optional
 import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
-
-# Largest finite float32: |x| <= this is false exactly for NaN and +-inf.
-_FLOAT32_MAX = 3.4028234663852886e38
-
+from tritonopt.kernels._alignment import alignment, assume_multiple
 
 def _ssd_sgd_configs():
     return [
@@ -89,8 +89,10 @@ def _ssd_sgd_step_kernel(
     PULLED: tl.constexpr,
     SHADOW: tl.constexpr,
     SAVE_SYNC_MOM: tl.constexpr,
+    N_ALIGN: tl.constexpr,  # a power of two dividing n
     BLOCK: tl.constexpr,
 ):
+    n = assume_multiple(n, N_ALIGN)  # the mask changes only at multiples of N_ALIGN: vector loads
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -111,7 +113,9 @@ def _ssd_sgd_step_kernel(
     grad_sync = sync_coef * (pre - w_src)
     update = w_src - local_lr * (glu_alpha * g + local_weight_decay * w_src + glu_beta * grad_sync)
     stored = update.to(param_ptr.dtype.element_ty)
-    bad = ~(tl.abs(stored.to(tl.float32)) <= _FLOAT32_MAX)
+    # |x| <= the largest finite float32 is false exactly for NaN and +-inf. (A literal: a kernel
+    # compiled for a GPU reads no module global that is not a constexpr.)
+    bad = ~(tl.abs(stored.to(tl.float32)) <= 3.4028234663852886e38)
     new_p = tl.where(bad, w_src.to(param_ptr.dtype.element_ty), stored)
     tl.store(param_ptr + offs, new_p, mask=mask)
     if PULLED:
@@ -162,7 +166,7 @@ def ssd_sgd_step_triton(
             param, grad, pre_weight, sw, smom, sync_mom, count, n,
             lr, momentum, weight_decay, local_lr, local_weight_decay,
             glu_alpha, glu_beta, sync_coef, shadow_scale, next_power_of_2(n),
-            PULLED=pulled, SHADOW=shadow, SAVE_SYNC_MOM=sync_momentum is not None,
+            PULLED=pulled, SHADOW=shadow, SAVE_SYNC_MOM=sync_momentum is not None, N_ALIGN=alignment(n),
         )
     return count.to(torch.int64)
 
