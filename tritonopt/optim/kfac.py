@@ -95,6 +95,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     def __init__(self, model: nn.Module, *, independent_ranks: bool = False, **kwargs):
         check_bool("independent_ranks", independent_ranks)
+        if not isinstance(model, nn.Module):  # before anything reads its parameters
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         refuse_sharded(type(self).__name__, list(model.parameters()), KFAC_SHARDING_REFUSAL)
         if isinstance(model, _DATA_PARALLEL):
             raise ValueError(
