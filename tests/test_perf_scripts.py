@@ -24,6 +24,7 @@ SMOKE_OUTPUTS = {
     "bench_lowrank": ["lowrank.csv"],
     "bench_optimizer_step": ["optimizer_step.csv"],
     "bench_sgd_momentum": ["sgd_momentum.csv"],
+    "bench_sharded": ["sharded.csv", "sharded.md"],
     "bench_sparse_ring": ["sparse_ring.csv"],
     "bench_ssd_sgd": ["ssd_sgd.csv"],
     "comm_hooks_experiment": ["comm_hooks.csv", "comm_hooks.md"],
