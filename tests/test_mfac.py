@@ -522,3 +522,28 @@ def test_a_checkpoint_saved_for_other_parameters_is_refused(saved_shapes, loaded
         for name, value in entry.items():
             assert torch.equal(after["state"][pid][name], value) if isinstance(value, torch.Tensor) else (
                 after["state"][pid][name] == value)
+
+
+def test_a_bfloat16_error_stays_frozen_where_a_parameter_has_no_gradient():
+    params = make_params(SHAPES)
+    opt = SparseMFAC(params, lr=0.1, ngrads=3, damp=0.1, density=0.25, block_size=16, error_dtype=torch.bfloat16)
+    stream = gradient_stream(SHAPES, 4)
+    run_steps(params, opt, stream[:2])
+    frozen, frozen_error = params[1].detach().clone(), opt.state[params[1]]["error"].clone()
+    for grads in stream[2:]:
+        set_grads(params, [grads[0], None, grads[2]])
+        opt.step()
+    assert torch.equal(params[1].detach(), frozen)
+    assert torch.equal(opt.state[params[1]]["error"], frozen_error)
+    assert int(opt.state[params[0]]["step"]) == 4
+
+
+def test_a_refused_gradient_in_a_later_window_leaves_every_window_untouched():
+    params = make_params(SHAPES)
+    opt = SparseMFAC([{"params": params[:2]}, {"params": params[2:]}], lr=0.1, ngrads=3, damp=0.1, density=0.25,
+                     block_size=16, per_group_windows=True)
+    set_grads(params, gradient_stream(SHAPES, 1)[0])
+    params[2].grad = params[2].grad.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert opt.state_dict()["state"] == {}

@@ -197,3 +197,13 @@ def test_a_state_dict_without_step_counters_is_refused_before_anything_changes()
         opt.load_state_dict(saved)
     run_steps(params, opt, gradient_stream(SHAPES, 1, seed=4))
     assert all(not torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_a_refused_gradient_in_a_later_group_leaves_every_group_untouched():
+    params = make_params(SHAPES)
+    opt = SparseAdaGrad([{"params": params[:2]}, {"params": params[2:]}], lr=0.05, density=0.25, block_size=16)
+    set_grads(params, gradient_stream(SHAPES, 1)[0])
+    params[2].grad = params[2].grad.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert opt.state_dict()["state"] == {}

@@ -34,6 +34,8 @@ a ``1e-6`` jitter instead, which depends on the gradients' scale).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 _FLOAT64_EPS = torch.finfo(torch.float64).eps
@@ -44,6 +46,23 @@ def update_gram(dots: torch.Tensor, slot: int, products: torch.Tensor) -> None:
     products = products.to(dots.dtype)
     dots[slot, :] = products
     dots[:, slot] = products
+
+
+def fold_new_row(weights: torch.Tensor, slot: int, scale: float) -> torch.Tensor:
+    """``w = z + e_slot / scale`` (float64, in place): ``x / scale + z @ G`` as one combination ``w @ G``.
+
+    ``x`` is row ``slot`` of ``G``: folding its term into the float64 weights avoids
+    the cancellation of two float32 vectors of size ``1 / scale``.
+    """
+    weights[slot] += 1.0 / scale
+    return weights
+
+
+def unfolded_shape(p: torch.Tensor) -> tuple[int, int]:
+    """``[n, p]`` with ``n = shape[0]``; a 1-D tensor is ``[n, 1]`` (stored uncompressed), a 0-D one ``[1, 1]``."""
+    if p.dim() == 0:
+        return 1, 1
+    return p.shape[0], math.prod(p.shape[1:])
 
 
 def mfac_coefficients(dots: torch.Tensor, products: torch.Tensor, damp: float) -> torch.Tensor:

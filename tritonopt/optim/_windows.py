@@ -12,6 +12,11 @@ to overwrite) and ``ring_filled``. Each step it
    the float64 weights avoids the cancellation of two float32 vectors of size
    ``1 / scale`` (a relative error of 1e-2 at ``damp = 1e-6`` otherwise).
 
+The arithmetic is in :mod:`tritonopt.optim.functional`, as functions of the
+window's tensors (``dense_window_products``, ``sparse_window_compress``,
+``lowrank_window_combine``, ...); a window class here says which state entries
+hold those tensors, with what shapes, and names each phase's NVTX range.
+
 ``state_layout`` gives every entry a window keeps, with shapes and dtypes: the
 group's (in the first parameter's state) and each parameter's own. Checkpoints
 are checked against it and the memory a window will need is computed from it.
@@ -33,23 +38,26 @@ window             ``x``                                       ``w @ G``
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_bool, check_int
-from tritonopt.ops import (
-    ef_topk,
-    lowrank_ef,
-    lowrank_frobenius_products,
-    sparse_lcg,
-    sparse_ring_insert,
-    sparse_sp,
-)
+from tritonopt.ops import sparse_ring_insert
 from tritonopt.optim._blocks import BlockLayout, kept_per_block
 from tritonopt.optim._packed import PackedGroup
+from tritonopt.optim._window_algebra import unfolded_shape
+from tritonopt.optim.functional import (
+    dense_window_combine,
+    dense_window_products,
+    lowrank_window_combine,
+    lowrank_window_compress,
+    lowrank_window_products,
+    sparse_window_combine,
+    sparse_window_compress,
+    sparse_window_products,
+)
 
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -60,12 +68,6 @@ def _no_entries(p: torch.Tensor) -> dict:
 
 def _gram_state(m: int, device: torch.device) -> dict:
     return {"dots": torch.zeros((m, m), dtype=torch.float64, device=device), "ring_slot": 0, "ring_filled": 0}
-
-
-def fold_new_row(weights: torch.Tensor, slot: int, scale: float) -> torch.Tensor:
-    """``w = z + e_slot / scale`` (float64, in place): ``x / scale + z @ G`` as one combination ``w @ G``."""
-    weights[slot] += 1.0 / scale
-    return weights
 
 
 class DenseWindow:
@@ -97,19 +99,15 @@ class DenseWindow:
 
     @staticmethod
     def insert(algo: str, state: dict, group: dict, packed: PackedGroup, active: Sequence[bool], slot: int):
-        ring = state[packed.layout.tensors[0]]
-        window, g = ring["ring_grads"], packed.grad.view(-1)
+        window, g = state[packed.layout.tensors[0]]["ring_grads"], packed.grad.view(-1)
         with nvtx_range(f"tritonopt/{algo}/insert"):
             window[slot].copy_(g)
         with nvtx_range(f"tritonopt/{algo}/sp"):
-            weights = packed.work.get("column_weights")
-            products = window @ (g if weights is None else g * weights.view(-1))
-        return products
+            return dense_window_products(window, g, packed.work.get("column_weights"))
 
     @staticmethod
     def combine(state: dict, group: dict, packed: PackedGroup, weights: torch.Tensor):
-        window = state[packed.layout.tensors[0]]["ring_grads"]
-        return (weights.to(window.dtype) @ window).view_as(packed.grad)
+        return dense_window_combine(state[packed.layout.tensors[0]]["ring_grads"], weights).view_as(packed.grad)
 
 
 class SparseWindow:
@@ -178,57 +176,20 @@ class SparseWindow:
         ring = state[packed.layout.tensors[0]]
         indices_ring, values_ring = ring["ring_indices"], ring["ring_values"]
         with nvtx_range(f"tritonopt/{algo}/compress"):
-            narrow_error = group["error_feedback"] and packed.error.dtype != torch.float32
-            if narrow_error:  # a = g + e in float32, in the gradient's scratch; the residual starts from 0
-                packed.grad.add_(packed.error)
-            error = packed.error if group["error_feedback"] and not narrow_error else torch.zeros_like(packed.grad)
-            indices, values = SparseWindow.compress(packed.grad, error, packed.layout, group["density"],
-                                                    indices_ring.shape[2])
-            if values_ring.dtype != torch.float32:
-                stored = values.to(values_ring.dtype).to(torch.float32)
-                error.scatter_(1, indices.long(), values - stored)
-                values = stored
-            if narrow_error:
-                packed.error.copy_(error)
-            compressed = torch.zeros_like(packed.grad).scatter_(1, indices.long(), values)
+            indices, values, compressed, residual = sparse_window_compress(
+                packed.grad, packed.error if group["error_feedback"] else None, density=group["density"],
+                length=packed.layout.span, values_dtype=values_ring.dtype)
         with nvtx_range(f"tritonopt/{algo}/insert"):
             sparse_ring_insert(indices_ring, values_ring, slot, indices.to(indices_ring.dtype), values)
         with nvtx_range(f"tritonopt/{algo}/sp"):
-            weights = packed.work.get("column_weights")
-            products = sparse_sp(indices_ring, values_ring, compressed if weights is None else compressed * weights)
-        packed.stats["error_norm"] = error.norm()  # what this step left out (kept for the next with feedback)
+            products = sparse_window_products(indices_ring, values_ring, compressed, packed.work.get("column_weights"))
+        packed.stats["error_norm"] = residual.norm()  # what this step left out (kept for the next with feedback)
         return products
-
-    @staticmethod
-    def compress(grad: torch.Tensor, error: torch.Tensor, layout: BlockLayout, density: float, k: int):
-        """``ef_topk`` with ``k`` per full block and ``ceil(density * length)`` in a partial last block.
-
-        The last block's row is padded to ``k`` with value 0 at its padding's
-        first positions, which the selection never takes (they hold zeros and
-        ties go to the lower position), so all positions in the row stay distinct.
-        """
-        last_length = layout.span - (layout.num_blocks - 1) * layout.block_size
-        k_last = kept_per_block(density, None, last_length)
-        if k_last >= k:
-            return ef_topk(grad, error, k)
-        head_indices, head_values = ef_topk(grad[:-1], error[:-1], k)
-        last_indices, last_values = ef_topk(grad[-1:], error[-1:], k_last)
-        padding = torch.arange(last_length, last_length + k - k_last, dtype=torch.int32, device=grad.device)
-        indices = torch.cat([head_indices, torch.cat([last_indices, padding.view(1, -1)], dim=1)])
-        values = torch.cat([head_values, torch.cat([last_values, last_values.new_zeros(1, k - k_last)], dim=1)])
-        return indices, values
 
     @staticmethod
     def combine(state: dict, group: dict, packed: PackedGroup, weights: torch.Tensor):
         ring = state[packed.layout.tensors[0]]
-        return sparse_lcg(ring["ring_indices"], ring["ring_values"], weights.to(torch.float32), packed.layout.block_size)
-
-
-def unfolded_shape(p: torch.Tensor) -> tuple[int, int]:
-    """``[n, p]`` with ``n = shape[0]``; a 1-D tensor is ``[n, 1]`` (stored uncompressed), a 0-D one ``[1, 1]``."""
-    if p.dim() == 0:
-        return 1, 1
-    return p.shape[0], math.prod(p.shape[1:])
+        return sparse_window_combine(ring["ring_indices"], ring["ring_values"], weights, packed.layout.block_size)
 
 
 class LowRankWindow:
@@ -290,43 +251,19 @@ class LowRankWindow:
     @staticmethod
     def insert(algo: str, state: dict, group: dict, packed: PackedGroup, active: Sequence[bool], slot: int):
         layout = packed.layout
-        m = state[layout.tensors[0]]["dots"].shape[0]
-        products = torch.zeros(m, dtype=torch.float64, device=layout.device)
+        entries = [state[p] for p in layout.tensors]
+        ring_ps, ring_qs = [e["ring_p"] for e in entries], [e["ring_q"] for e in entries]
         with nvtx_range(f"tritonopt/{algo}/compress"):
-            for p, is_active, g, e in zip(layout.tensors, active, layout.views(packed.grad), layout.views(packed.error)):
-                entry = state[p]
-                if not is_active:  # stores a zero row; its own state is left alone
-                    entry["ring_p"][slot].zero_()
-                    entry["ring_q"][slot].zero_()
-                    continue
-                n, cols = unfolded_shape(p)
-                if p.dim() >= 2:
-                    factor_p, factor_q = lowrank_ef(g.view(n, cols), e.view(n, cols), entry["lowrank_q"])
-                    entry["lowrank_q"].copy_(factor_q)
-                else:
-                    factor_p, factor_q = lowrank_ef(g.reshape(-1), e.reshape(-1), entry["lowrank_q"])
-                entry["ring_p"][slot].copy_(factor_p)
-                entry["ring_q"][slot].copy_(factor_q)
+            lowrank_window_compress(layout.views(packed.grad), layout.views(packed.error),
+                                    [e["lowrank_q"] for e in entries], ring_ps, ring_qs, slot, active)
             packed.stats["error_norm"] = packed.error.norm()
         with nvtx_range(f"tritonopt/{algo}/sp"):
-            for p in layout.tensors:
-                entry = state[p]
-                products += lowrank_frobenius_products(
-                    entry["ring_p"], entry["ring_q"], entry["ring_p"][slot], entry["ring_q"][slot]
-                ).double()
-        return products
+            return lowrank_window_products(ring_ps, ring_qs, slot)
 
     @staticmethod
     def combine(state: dict, group: dict, packed: PackedGroup, weights: torch.Tensor):
-        layout = packed.layout
-        weights = weights.to(torch.float32)
-        m = weights.shape[0]
+        entries = [state[p] for p in packed.layout.tensors]
         direction = torch.zeros_like(packed.grad)
-        for p, out in zip(layout.tensors, layout.views(direction)):
-            ring_p, ring_q = state[p]["ring_p"], state[p]["ring_q"]
-            n, rank = ring_p.shape[1], ring_p.shape[2]
-            # sum_j w_j P_j Q_j^T as one GEMM over the concatenated factors [n, m r] x [m r, p]
-            left = (ring_p * weights.view(m, 1, 1)).permute(1, 0, 2).reshape(n, m * rank)
-            right = ring_q.permute(1, 0, 2).reshape(ring_q.shape[1], m * rank)
-            out.view(n, right.shape[0]).copy_(left @ right.T)
+        lowrank_window_combine([e["ring_p"] for e in entries], [e["ring_q"] for e in entries], weights,
+                               packed.layout.views(direction))
         return direction

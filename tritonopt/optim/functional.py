@@ -15,16 +15,15 @@ defined in :mod:`tritonopt.optim.kfac_functional`.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from tritonopt.ops import ef_topk
-from tritonopt.ops import fosi_step
-from tritonopt.ops import sgd_momentum_step
+from tritonopt.ops import ef_topk, fosi_step, lowrank_ef, lowrank_frobenius_products, sgd_momentum_step
+from tritonopt.ops import sparse_lcg, sparse_sp
 from tritonopt.optim._blocks import kept_per_block
-from tritonopt.optim._window_algebra import ggt_weights, mfac_coefficients, mfac_weights, update_gram
+from tritonopt.optim._window_algebra import (fold_new_row, ggt_weights, mfac_coefficients, mfac_weights,
+                                             unfolded_shape, update_gram)
 from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statistic, kfac_eigen_data,
                                              kfac_eigendecompose, kfac_inner_products, kfac_inverses,
                                              kfac_kl_clip_scale, kfac_precondition, kfac_running_average)
@@ -32,7 +31,10 @@ from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statist
 __all__ = [
     "all_finite",
     "apply_decoupled_update",
+    "dense_window_combine",
+    "dense_window_products",
     "flat_sgd",
+    "fold_new_row",
     "ggt_weights",
     "heavy_ball_momentum",
     "kept_per_block",
@@ -44,10 +46,17 @@ __all__ = [
     "kfac_kl_clip_scale",
     "kfac_precondition",
     "kfac_running_average",
+    "lowrank_window_combine",
+    "lowrank_window_compress",
+    "lowrank_window_products",
     "mfac_coefficients",
     "mfac_weights",
     "sparse_adagrad",
+    "sparse_window_combine",
+    "sparse_window_compress",
+    "sparse_window_products",
     "update_gram",
+    "window_weights",
 ]
 
 
@@ -133,6 +142,162 @@ def flat_sgd(
     wide = weights.to(torch.float32) if work is None else work.copy_(weights)
     sgd_momentum_step(wide, grad, momentum_buffer, **hyperparameters)
     weights.copy_(wide)
+
+
+# --------------------------------------------------------------------------- windows
+#
+# The windowed preconditioners (M-FAC, GGT) keep the last ``m`` stored vectors ``G``
+# (``[m, d]``) and their float64 Gram matrix ``dots = G G^T``. A step stores its vector
+# ``x`` in row ``slot``, takes the products ``s = G x`` (``*_window_products``), sets row and
+# column ``slot`` of ``dots`` to ``s`` and turns both into the float64 weights ``w``
+# (:func:`window_weights`), then forms ``u = w @ G`` (``*_window_combine``). ``G`` is stored
+# dense (``rows``), as a sparse ring (``ring_indices``/``ring_values``, ``[num_blocks, m, k]``)
+# or as per-tensor low-rank factors (``ring_p`` ``[m, n, r]``, ``ring_q`` ``[m, p, r]``).
+# ``column_weights`` (``[d]`` or None) weight each coordinate in the products: a sharded
+# window counts a replicated parameter's coordinates ``1 / world`` on each rank.
+
+
+def window_weights(dots: torch.Tensor, slot: int, products: torch.Tensor, weights, scale: float) -> torch.Tensor:
+    """Row and column ``slot`` of ``dots`` become ``products``; returns ``w = z + e_slot / scale`` (float64).
+
+    ``weights`` is :func:`mfac_weights` (``scale`` = damp) or :func:`ggt_weights`
+    (``scale`` = eps), giving ``z`` of ``u = x / scale + z @ G``.
+    """
+    update_gram(dots, slot, products)
+    return fold_new_row(weights(dots, products, scale), slot, scale)
+
+
+def dense_window_products(rows: torch.Tensor, x: torch.Tensor,
+                          column_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``s = G x`` of a dense window ``rows`` (``[m, d]``) and ``x`` (``[d]``), in ``rows``' dtype."""
+    return rows @ (x if column_weights is None else x * column_weights.view(-1))
+
+
+def dense_window_combine(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``u = w @ G`` (``[d]``) of a dense window, computed in ``rows``' dtype."""
+    return weights.to(rows.dtype) @ rows
+
+
+def sparse_window_compress(
+    grad: torch.Tensor,
+    error: Optional[torch.Tensor],
+    *,
+    density: float,
+    length: int,
+    values_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EFCP Alg. 1's compression of one step's vector: ``a = grad + error``, ``c`` = its blockwise Top-k.
+
+    ``grad`` (float32, ``[num_blocks, block_size]``) holds the vector of ``length``
+    entries (the rest is padding); ``error`` is the feedback, float32 or bfloat16
+    of that shape, or None without error feedback. Every full block keeps
+    ``ceil(density * block_size)`` entries, a partial last block
+    ``ceil(density * its length)``, padded with value 0 at distinct positions of
+    its padding (never selected). With ``values_dtype`` bfloat16 the kept values
+    are rounded as the ring stores them and the rounding residual joins the error.
+    Returns ``(indices, values, compressed, residual)``: the kept entries as the
+    ring stores them, ``c`` densely, and ``a - c`` (the new error, written into
+    ``error`` when given; a bfloat16 ``error`` takes it rounded once). ``grad`` is
+    used as scratch.
+    """
+    k = kept_per_block(density, None, grad.shape[1])
+    narrow_error = error is not None and error.dtype != torch.float32
+    if narrow_error:  # a = g + e in float32, in the gradient's scratch; the residual starts from 0
+        grad.add_(error)
+    residual = error if error is not None and not narrow_error else torch.zeros_like(grad)
+    indices, values = _ef_topk_with_partial_block(grad, residual, density, length, k)
+    if values_dtype != torch.float32:
+        stored = values.to(values_dtype).to(torch.float32)
+        residual.scatter_(1, indices.long(), values - stored)
+        values = stored
+    if narrow_error:
+        error.copy_(residual)
+    compressed = torch.zeros_like(grad).scatter_(1, indices.long(), values)
+    return indices, values, compressed, residual
+
+
+def _ef_topk_with_partial_block(grad: torch.Tensor, error: torch.Tensor, density: float, length: int, k: int):
+    """``ef_topk`` with ``k`` per full block and ``ceil(density * length)`` in a partial last block.
+
+    The last block's row is padded to ``k`` with value 0 at its padding's
+    first positions, which the selection never takes (they hold zeros and
+    ties go to the lower position), so all positions in the row stay distinct.
+    """
+    last_length = length - (grad.shape[0] - 1) * grad.shape[1]
+    k_last = kept_per_block(density, None, last_length)
+    if k_last >= k:
+        return ef_topk(grad, error, k)
+    head_indices, head_values = ef_topk(grad[:-1], error[:-1], k)
+    last_indices, last_values = ef_topk(grad[-1:], error[-1:], k_last)
+    padding = torch.arange(last_length, last_length + k - k_last, dtype=torch.int32, device=grad.device)
+    indices = torch.cat([head_indices, torch.cat([last_indices, padding.view(1, -1)], dim=1)])
+    values = torch.cat([head_values, torch.cat([last_values, last_values.new_zeros(1, k - k_last)], dim=1)])
+    return indices, values
+
+
+def sparse_window_products(ring_indices: torch.Tensor, ring_values: torch.Tensor, compressed: torch.Tensor,
+                           column_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``s = G c`` of a sparse ring and the dense ``compressed`` vector (``[num_blocks, block_size]``)."""
+    return sparse_sp(ring_indices, ring_values, compressed if column_weights is None else compressed * column_weights)
+
+
+def sparse_window_combine(ring_indices: torch.Tensor, ring_values: torch.Tensor, weights: torch.Tensor,
+                          block_size: int) -> torch.Tensor:
+    """``u = w @ G`` of a sparse ring, as ``[num_blocks, block_size]`` float32."""
+    return sparse_lcg(ring_indices, ring_values, weights.to(torch.float32), block_size)
+
+
+def lowrank_window_compress(
+    grads: Sequence[torch.Tensor],
+    errors: Sequence[torch.Tensor],
+    warm_starts: Sequence[torch.Tensor],
+    ring_ps: Sequence[torch.Tensor],
+    ring_qs: Sequence[torch.Tensor],
+    slot: int,
+    active: Sequence[bool],
+) -> None:
+    """Store each tensor's ``lowrank_ef`` factors of ``grad + error`` as row ``slot`` of its ring (EFCP App. I).
+
+    Per tensor ``l`` (unfolded to ``[n, p]``, a 1-D tensor to ``[n, 1]``): ``(P, Q)
+    = lowrank_ef(g, e, Q_warm)``, ``error`` keeps what they leave out and a tensor
+    of two or more dimensions keeps ``Q`` as its next warm start. A tensor that
+    is not ``active`` stores a zero row and keeps its error and warm start.
+    """
+    for g, e, warm, ring_p, ring_q, is_active in zip(grads, errors, warm_starts, ring_ps, ring_qs, active):
+        if not is_active:
+            ring_p[slot].zero_()
+            ring_q[slot].zero_()
+            continue
+        n, cols = unfolded_shape(g)
+        if g.dim() >= 2:
+            factor_p, factor_q = lowrank_ef(g.view(n, cols), e.view(n, cols), warm)
+            warm.copy_(factor_q)
+        else:
+            factor_p, factor_q = lowrank_ef(g.reshape(-1), e.reshape(-1), warm)
+        ring_p[slot].copy_(factor_p)
+        ring_q[slot].copy_(factor_q)
+
+
+def lowrank_window_products(ring_ps: Sequence[torch.Tensor], ring_qs: Sequence[torch.Tensor],
+                            slot: int) -> torch.Tensor:
+    """``s = G x`` with ``x`` row ``slot``: the per-tensor Frobenius products, summed in float64."""
+    products = torch.zeros(ring_ps[0].shape[0], dtype=torch.float64, device=ring_ps[0].device)
+    for ring_p, ring_q in zip(ring_ps, ring_qs):
+        products += lowrank_frobenius_products(ring_p, ring_q, ring_p[slot], ring_q[slot]).double()
+    return products
+
+
+def lowrank_window_combine(ring_ps: Sequence[torch.Tensor], ring_qs: Sequence[torch.Tensor], weights: torch.Tensor,
+                           outs: Sequence[torch.Tensor]) -> None:
+    """``u_l = sum_j w_j P_{l,j} Q_{l,j}^T`` into each tensor's ``out`` (shaped like the tensor), float32."""
+    weights = weights.to(torch.float32)
+    m = weights.shape[0]
+    for ring_p, ring_q, out in zip(ring_ps, ring_qs, outs):
+        n, rank = ring_p.shape[1], ring_p.shape[2]
+        # one GEMM over the concatenated factors [n, m r] x [m r, p]
+        left = (ring_p * weights.view(m, 1, 1)).permute(1, 0, 2).reshape(n, m * rank)
+        right = ring_q.permute(1, 0, 2).reshape(ring_q.shape[1], m * rank)
+        out.view(n, right.shape[0]).copy_(left @ right.T)
 
 
 # --------------------------------------------------------------------------- FOSI

@@ -87,9 +87,7 @@ from tritonopt.optim._packed import (
     bind_flat_state,
 )
 from tritonopt.optim._sharding import is_sharded, local_tensor
-from tritonopt.optim._window_algebra import update_gram
-from tritonopt.optim._windows import fold_new_row
-from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum
+from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum, window_weights
 
 # Gradients are stored and multiplied in float32 (or bfloat16): with a gradient norm
 # below this bound, every scalar product of two stored gradients stays far from overflow.
@@ -360,8 +358,7 @@ class WindowedPreconditioner(PackedOptimizer):
             products = self._shards.all_reduce(products.to(torch.float64))
         scale = group[self.SCALE]
         with nvtx_range(f"tritonopt/{self.ALGO}/solve"):
-            update_gram(ring["dots"], slot, products)
-            weights = fold_new_row(self.WEIGHTS(ring["dots"], products, scale), slot, scale)
+            weights = window_weights(ring["dots"], slot, products, self.WEIGHTS, scale)
         with nvtx_range(f"tritonopt/{self.ALGO}/lcg"):
             return self.WINDOW.combine(self.state, group, packed, weights)
 
@@ -377,7 +374,7 @@ class WindowedPreconditioner(PackedOptimizer):
             for a, g_view, e_view in zip(active, layout.views(packed.grad), layout.views(packed.error)):
                 if not a:
                     frozen_error.append((e_view, e_view.clone()))
-                    torch.neg(e_view, out=g_view)
+                    g_view.copy_(e_view).neg_()  # the error may be narrower than the scratch
         direction = self._direction(groups[0], packed, active)
         if frozen_error is not None:
             for view, saved in frozen_error:
