@@ -30,7 +30,8 @@ Checks (exit status 1 if one fails; the smoke run checks them too, bytes and siz
   (the ``m x m`` float64 Gram matrix and one float32 step counter per parameter, whole on
   every rank) are added, not divided; the sharded rest may exceed its share by rank 0's
   padding (every rank pads its window to rank 0's part, which holds ``ceil(rows / W)`` rows
-  of each parameter, rounded up to whole blocks for the blockwise ones), and 1 % more.
+  of each parameter, rounded up to whole blocks for the blockwise ones; Adam's ranks hold
+  their own rows), and 1 % more either way.
 
 Times come from W processes sharing this machine's cores: with more ranks than cores, or
 other work running, they measure the machine as much as the optimizer. Bytes are exact.
@@ -190,10 +191,17 @@ def all_reduced_per_step(name: str) -> tuple[int, int]:
     return 0, 0  # Adam: none of its own (FSDP2's collectives move the gradients)
 
 
-def rank0_columns(shapes: list[tuple], world: int, block_size: int) -> int:
-    """Entries of rank 0's part of the parameters (``ceil(rows / W)`` rows of each, as FSDP2 cuts them),
-    rounded up to whole blocks: the span every rank's window and buffers are padded to."""
-    entries = sum(min(rows, -(-rows // world)) * math.prod(rest) for rows, *rest in shapes)
+def rank_columns(shapes: list[tuple], world: int, rank: int, block_size: int = 1) -> int:
+    """Entries of ``rank``'s part of the parameters, rounded up to whole blocks.
+
+    FSDP2 cuts each parameter's rows as ``torch.chunk`` does: ``ceil(rows / W)`` to each
+    rank in turn, the last ranks fewer or none. Rank 0's part is the span every rank pads
+    its window and buffers to.
+    """
+    entries = 0
+    for rows, *rest in shapes:
+        chunk = -(-rows // world)
+        entries += max(0, min(chunk, rows - rank * chunk)) * math.prod(rest)
     return -(-entries // block_size) * block_size
 
 
@@ -259,13 +267,20 @@ def run_world(world: int, config: dict) -> list[dict]:
 
 
 def state_bounds(row: dict, unsharded_bytes: int) -> tuple[float, float]:
-    """The least and most bytes a rank of ``row`` may hold, from W = 1's state (see the module's checks)."""
-    name, world = row["optimizer"], row["world"]
+    """The least and most bytes a rank of ``row`` may hold, from W = 1's state (see the module's checks).
+
+    tritonopt's optimizers pad every rank to rank 0's part; Adam keeps each rank's own rows, the last
+    rank's the fewest.
+    """
+    name, world, shapes = row["optimizer"], row["world"], row["shapes"]
     replicated = replicated_bytes(name, row["num_params"])
     sharded = unsharded_bytes - replicated
     block = BLOCK_SIZE if name in BLOCKWISE else 1
-    padded_share = rank0_columns(row["shapes"], world, block) / rank0_columns(row["shapes"], 1, block)
-    return replicated + sharded / world * (1 - STATE_SLACK), replicated + sharded * padded_share * (1 + STATE_SLACK)
+    whole = rank_columns(shapes, 1, 0, block)
+    largest_share = rank_columns(shapes, world, 0, block) / whole
+    least_share = rank_columns(shapes, world, world - 1) / whole if name == "Adam" else largest_share
+    return (replicated + sharded * least_share * (1 - STATE_SLACK),
+            replicated + sharded * largest_share * (1 + STATE_SLACK))
 
 
 def summarise(rows: list[dict]) -> list[dict]:

@@ -29,11 +29,12 @@ def _runs(state_on_two_ranks=None, bytes_on_two_ranks=None, calls=6):
             _row(2, state_on_two_ranks or [share, share], bytes_on_two_ranks or [3 * 68, 3 * 68], [calls, calls])]
 
 
-def test_rank0_columns_cut_rows_as_fsdp2(bench):
-    assert bench.rank0_columns(SHAPES, 1, 1) == 111
-    assert bench.rank0_columns(SHAPES, 2, 1) == 65
-    assert bench.rank0_columns([(3, 13)], 4, 1) == 13  # one row each for three ranks, none for the fourth
-    assert bench.rank0_columns(SHAPES, 2, 16) == 80  # whole blocks
+def test_rank_columns_cut_rows_as_fsdp2(bench):
+    assert bench.rank_columns(SHAPES, 1, 0) == 111
+    assert [bench.rank_columns(SHAPES, 2, rank) for rank in (0, 1)] == [65, 46]
+    # one row each for three ranks, none for the fourth
+    assert [bench.rank_columns([(3, 13)], 4, rank) for rank in range(4)] == [13, 13, 13, 0]
+    assert bench.rank_columns(SHAPES, 2, 0, block_size=16) == 80  # whole blocks
 
 
 def test_runs_as_predicted_pass(bench):
@@ -85,3 +86,15 @@ def test_smoke_run_covers_every_model_world_and_optimizer(bench):
         if row["world"] == "2" and row["optimizer"] != "Adam":
             assert float(row["bytes_all_reduced_per_step"]) == float(row["expected_bytes_per_step"]) > 0, row
         assert int(row["state_bytes_per_rank"]) > 0
+
+
+def test_adam_ranks_hold_their_own_rows(bench):
+    # Adam keeps no padding: on uneven rows rank 1 of 2 holds 6 + 1 + 3 rows, 46 of the 111 entries.
+    replicated = 4 * len(SHAPES)
+    per_entry = 8  # exp_avg and exp_avg_sq
+    rows = [_row(1, [replicated + 111 * per_entry], [0], [0], name="Adam"),
+            _row(2, [replicated + 65 * per_entry, replicated + 46 * per_entry], [0, 0], [0, 0], name="Adam")]
+    checks = bench.claims(bench.summarise(rows))
+    assert all(claim.holds for claim in checks), checks
+    rows[1]["state_bytes"][1] = replicated + 40 * per_entry
+    assert [claim.holds for claim in bench.claims(bench.summarise(rows))] == [True, False]
