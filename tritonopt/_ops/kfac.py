@@ -63,8 +63,10 @@ def kfac_factor_update(
     reference implementation does.
 
     Args:
-        factor: ``[dim, dim]`` float32, row-major (rows may be padded, as a view of a
-            ``[dim, ceil16(dim)]`` buffer), ``dim = x.shape[1] + append_bias``.
+        factor: ``[dim, dim]`` float32, row-major, ``dim = x.shape[1] + append_bias``. Rows
+            may be padded: the ``[:, :dim]`` view of a ``[dim, stride]`` buffer with ``stride``
+            a multiple of 4 (K-FAC's layout, :func:`tritonopt.optim.kfac_functional.factor_buffer`)
+            loads in vectors on a GPU whatever ``dim`` is.
             Only its upper triangle is read; it is written symmetric to the last bit.
             Not read at all when ``decay == 0``.
         x: ``[n, in_dim]``, float32/float16/bfloat16, any strides; products
@@ -257,7 +259,7 @@ def triu_pack(matrix: torch.Tensor, dtype: Optional[torch.dtype] = None, scale: 
     Entry ``(i, j)``, ``j >= i``, lands at ``i*d - i*(i-1)/2 + (j - i)``. Scaling is
     done in fp32 and the result cast once to ``dtype`` (default: the matrix's), so a
     factor can be packed to half precision for communication (KAISA paper sec. 4.3).
-    ``matrix`` may have any strides.
+    ``matrix`` may have any strides; rows padded as K-FAC pads its factors load in vectors.
     """
     check_tensor("matrix", matrix)
     if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:

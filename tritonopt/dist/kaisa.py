@@ -77,8 +77,10 @@ preconditioner cannot go on after that (restart from a checkpoint).
 
 Memory per rank (:meth:`KAISAPreconditioner.memory_usage`): factors
 ``s_f * sum(a^2 + g^2)`` and the float32 statistic buffers ``4 * sum(a^2 + g^2)``
-on every rank, and the eigen data of each layer the rank is a gradient worker
-of; averaged over ranks the eigen part is exactly ``gwf * sum_l M_eigen(l)``.
+on every rank (a factor of 128 or more columns counts its row padding to a
+multiple of 4: ``a * ceil4(a)``), and the eigen data of each layer the rank is a
+gradient worker of; averaged over ranks the eigen part is exactly
+``gwf * sum_l M_eigen(l)``.
 
 In one process (``torch.distributed`` not initialised, or one rank) it is K-FAC
 with no collective.

@@ -25,6 +25,8 @@ import enum
 from fractions import Fraction
 from typing import Optional, Sequence, Union
 
+from tritonopt.optim.kfac_functional import factor_row_stride
+
 __all__ = [
     "KAISAAssignment",
     "LAYOUTS",
@@ -206,11 +208,12 @@ def expected_memory_per_rank(
 
     ``dims`` is ``[(a, g), ...]``, one pair per layer. ``factors``: every rank holds
     every factor (``factor_element_size``, default ``element_size``); ``batch``:
-    the float32 statistic buffers; ``eigen``: the eigen data of the layers ``rank``
-    is a gradient worker of (``element_size``, the inverse dtype).
+    the float32 statistic buffers; both with their rows padded as K-FAC stores them
+    (:func:`~tritonopt.optim.kfac_functional.factor_row_stride`); ``eigen``: the eigen
+    data of the layers ``rank`` is a gradient worker of (``element_size``, the inverse dtype).
     """
     fes = element_size if factor_element_size is None else factor_element_size
-    squares = sum(a * a + g * g for a, g in dims)
+    squares = sum(a * factor_row_stride(a) + g * factor_row_stride(g) for a, g in dims)
     eigen = element_size * sum(
         eigen_numel(a, g, prediv, compute_method)
         for i, (a, g) in enumerate(dims) if assignment.is_grad_worker(i, rank)

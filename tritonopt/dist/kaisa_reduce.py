@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from tritonopt.ops import triu_pack, triu_unpack
+from tritonopt.optim.kfac_functional import factor_buffer
 from tritonopt.optim.kfac import KFACLayer
 
 __all__ = ["FactorReducer", "bucket_layers"]
@@ -147,10 +148,10 @@ class FactorReducer:
                     summed = chunk.view(dim, dim).to(torch.float32)
                     mean = (torch.triu(summed) + torch.triu(summed, 1).T).mul_(inverse_count)
                 buffer = getattr(layer, name)
-                if buffer is None:
-                    setattr(layer, name, mean)
-                else:
-                    buffer.copy_(mean)
+                if buffer is None:  # no local statistic: a buffer in the factors' padded layout
+                    buffer = factor_buffer(dim, device=mean.device)
+                    setattr(layer, name, buffer)
+                buffer.copy_(mean)
             reduced.append(i)
         return reduced
 

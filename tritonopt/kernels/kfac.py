@@ -11,15 +11,19 @@ Factor update (paper sec. 2.1.2, running average; K1 of the design)::
     factor = decay * factor + (1 - decay) * X^T X / n                    [dim, dim], in place
 
 ``x`` is ``[n, in_dim]`` (float32/16/bf16, any strides), ``factor`` ``[dim, dim]``
-float32 contiguous with ``dim = in_dim + append_bias``. The bias column of ones is
-never materialised: the kernel substitutes it on load. GPU design: one program
+float32 row-major with ``dim = in_dim + append_bias``; its rows may be padded
+(K-FAC stores factors of 128 or more columns with a row stride rounded up to a
+multiple of 4 entries, 16 bytes), and then load in vectors whatever ``dim`` is.
+The bias column of ones is never materialised: the kernel substitutes it on load. GPU design: one program
 per ``BLOCK x BLOCK`` tile of the **upper** triangle (``T (T + 1) / 2`` programs for
 ``T`` tiles per side, half the flops of the full product); each program streams
 ``X`` in ``BLOCK_K`` row chunks, accumulates ``X_I^T X_J`` in fp32 with ``tl.dot``,
 applies the running average to the upper entries it owns and stores the tile
 twice, once in place and once transposed into the lower triangle. The result is
 therefore symmetric to the last bit, and depends on the upper triangle of the old
-factor only. With ``decay == 0`` the old factor is not read (it may hold garbage).
+factor only (the epilogue reads whole tile rows, up to the row padding, so that
+they load in vectors, and stores only the entries it owns). With ``decay == 0``
+the old factor is not read (it may hold garbage).
 
 Eigenbasis preconditioning (paper Eq. 15-17 and sec. 4.4)::
 
@@ -49,7 +53,15 @@ Triangle pack/unpack (paper sec. 4.3; K4 of the design)::
     unpack: M[i, j] = M[j, i] = cast(scale * packed[idx(min(i,j), max(i,j))])        [d, d]
 
 One program per (row, column block); no index tensors (``torch.triu_indices``
-would need ``2 d (d+1)/2`` int64 indices, 170 MB at ``d = 4608``).
+would need ``2 d (d+1)/2`` int64 indices, 170 MB at ``d = 4608``). Rows of a
+matrix padded like the factors load in vectors.
+
+Reading into the row padding. Triton knows of an integer only whether it is a
+multiple of 16, and a row of odd length ``dim`` masked at ``dim`` loads one entry
+at a time. The launchers therefore pass ``ROW_ALIGN`` (:func:`_row_alignment`), a
+power of two dividing the row stride such that every row may be read up to the
+next multiple of ``ROW_ALIGN``: the kernels mask their loads there and their
+stores at ``dim``, so the padding is read but never enters a stored value.
 """
 
 from __future__ import annotations
@@ -73,6 +85,26 @@ _EPILOGUE_DIVIDE_OUTER = 2  # C /= e1[m] * e2[n] + damping
 
 def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _row_alignment(matrix: torch.Tensor) -> int:
+    """``ROW_ALIGN`` for the rows of a square ``matrix``: a power of two (up to 16) dividing its
+    row stride, such that every row may be read up to the next multiple of it without leaving the
+    storage.
+
+    That is the row stride's own divisor when the rows are contiguous and the storage holds the
+    last row's padding (a ``[dim, stride]`` buffer's ``[:, :dim]`` view), else the divisor of both
+    ``dim`` and the stride (rows read up to ``dim`` only).
+    """
+    dim, stride = matrix.shape[0], matrix.stride(0)
+    within_rows = alignment(dim, stride)
+    if dim == 0 or matrix.stride(1) != 1:
+        return within_rows
+    padded = alignment(stride)
+    row_width = -(-dim // padded) * padded
+    end = matrix.storage_offset() + (dim - 1) * stride + row_width
+    fits = end * matrix.element_size() <= matrix.untyped_storage().nbytes()
+    return padded if fits else within_rows
 
 
 def _float32_products(device: torch.device):
@@ -153,7 +185,7 @@ def _factor_update_kernel(
     n_rows,
     in_dim,
     dim,  # in_dim + HAS_BIAS_COLUMN
-    stride_f,  # >= dim; a multiple of 16 keeps the factor's loads and stores vectorised
+    stride_f,  # >= dim, a multiple of ROW_ALIGN
     stride_xn,
     stride_xd,
     decay,  # weight of the old factor; 0 means "do not read it"
@@ -162,9 +194,12 @@ def _factor_update_kernel(
     rows_bucket,
     HAS_BIAS_COLUMN: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,  # divides stride_f; rows readable up to a multiple of it (_row_alignment)
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    stride_f = assume_multiple(stride_f, ROW_ALIGN)
+    row_width = assume_multiple(dim + ROW_ALIGN - 1, ROW_ALIGN)  # dim rounded up to ROW_ALIGN
     # Program p -> tile (ti, tj), ti <= tj, enumerating the lower triangle (tj, ti) row by row.
     pid = tl.program_id(0)
     tj = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
@@ -184,7 +219,13 @@ def _factor_update_kernel(
     in_bounds = (rows[:, None] < dim) & (cols[None, :] < dim)
     owned = in_bounds & (rows[:, None] <= cols[None, :])
     offsets = rows[:, None].to(tl.int64) * stride_f + cols[None, :]
-    old = tl.load(factor_ptr + offsets, mask=owned & (decay != 0.0), other=0.0)
+    # Whole tile rows up to the row padding, so that they load in vectors (a mask at the
+    # diagonal or at an odd dim would split them); the entries not owned are never stored.
+    # Rows past dim (the last tile's) read row dim - 1 instead of being masked: the mask
+    # costs registers that make a config spill on sm_90.
+    readable = (cols[None, :] < row_width) & (decay != 0.0)
+    row_offsets = tl.minimum(rows, dim - 1).to(tl.int64) * stride_f
+    old = tl.load(factor_ptr + row_offsets[:, None] + cols[None, :], mask=readable, other=0.0)
     new = decay * old + coeff * acc
     tl.store(factor_ptr + offsets, new, mask=owned)
     # The same values, transposed, into the lower triangle: symmetric by construction.
@@ -225,7 +266,8 @@ def kfac_factor_update_triton(
         kernel[grid](
             factor, x, n_rows, in_dim, dim, factor.stride(0), x.stride(0), x.stride(1),
             float(decay), float(coeff), next_power_of_2(dim), next_power_of_2(n_rows),
-            HAS_BIAS_COLUMN=bool(append_bias), PRECISION=precision, **meta,
+            HAS_BIAS_COLUMN=bool(append_bias), PRECISION=precision, ROW_ALIGN=_row_alignment(factor),
+            **meta,
         )
 
 
@@ -444,20 +486,20 @@ def triu_numel(dim: int) -> int:
 def _triu_pack_kernel(
     mat_ptr, out_ptr, dim, stride_r, stride_c, scale,
     BLOCK: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,  # a power of two dividing dim and stride_r
+    ROW_ALIGN: tl.constexpr,  # divides stride_r; rows readable up to a multiple of it (_row_alignment)
 ):
-    dim = assume_multiple(dim, ROW_ALIGN)
     stride_r = assume_multiple(stride_r, ROW_ALIGN)
+    row_width = assume_multiple(dim + ROW_ALIGN - 1, ROW_ALIGN)  # dim rounded up to ROW_ALIGN
     row = tl.program_id(0).to(tl.int64)
     # Chunks start at the last ROW_ALIGN-aligned column at or before the diagonal,
-    # so that rows load in vectors; the few entries left of the diagonal are loaded
-    # but not stored.
+    # and run into the row padding, so that rows load in vectors; the entries left
+    # of the diagonal or right of dim are loaded but not stored.
     cols = row // ROW_ALIGN * ROW_ALIGN + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_row = cols < dim
-    values = tl.load(mat_ptr + row * stride_r + cols * stride_c, mask=in_row, other=0.0).to(tl.float32)
+    values = tl.load(mat_ptr + row * stride_r + cols * stride_c, mask=cols < row_width, other=0.0)
+    values = values.to(tl.float32)
     start = row * dim - row * (row - 1) // 2
     tl.store(out_ptr + start + (cols - row), (values * scale).to(out_ptr.dtype.element_ty),
-             mask=in_row & (cols >= row))
+             mask=(cols < dim) & (cols >= row))
 
 
 @jit
@@ -493,7 +535,7 @@ def triu_pack_triton(matrix: torch.Tensor, dtype: torch.dtype, scale: float = 1.
     with _device_guard(matrix):
         _triu_pack_kernel[(dim, cdiv(dim, block))](
             matrix, out, dim, matrix.stride(0), matrix.stride(1), float(scale), BLOCK=block,
-            ROW_ALIGN=alignment(dim, matrix.stride(0)), num_warps=_pack_warps(block),
+            ROW_ALIGN=_row_alignment(matrix), num_warps=_pack_warps(block),
         )
     return out
 

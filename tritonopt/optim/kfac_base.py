@@ -48,7 +48,9 @@ from tritonopt.optim._packed import NONFINITE_POLICIES, apply_nonfinite_policy
 from tritonopt.optim.kfac_functional import (
     COMPUTE_METHODS,
     all_finite,
+    buffer_bytes,
     eigen_shapes,
+    factor_buffer,
     finiteness_probes,
     gram_finiteness_probes,
     kfac_accumulate_statistic,
@@ -97,6 +99,11 @@ def _layer_layout(layer) -> list[tuple]:
     """The layer's weight (and bias) as ``(shape, dtype)`` pairs: what a checkpoint's factors were saved for."""
     params = [layer.weight] + ([layer.bias] if layer.bias is not None else [])
     return [(tuple(p.shape), p.dtype) for p in params]
+
+
+def _unpadded_copy(factor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A contiguous ``[dim, dim]`` copy of a (padded) factor, for a checkpoint."""
+    return None if factor is None else factor.clone(memory_format=torch.contiguous_format)
 
 
 def _check_precision(precision) -> None:
@@ -676,29 +683,31 @@ class BaseKFACPreconditioner:
     def _store_factors(self, layer: KFACLayer, a: torch.Tensor, g: torch.Tensor) -> None:
         # The folded factors live in the statistic buffers: in float32 the buffers and the old
         # factors swap roles; otherwise the factors are rounded once into their storage dtype.
+        # Every buffer has the padded layout of kfac_functional.factor_buffer.
         if self.factor_dtype == torch.float32:
             # (At the first update there is no old factor: the buffer is allocated again.)
-            layer.a_factor, layer.a_batch = a, torch.empty_like(a) if layer.a_factor is None else layer.a_factor
-            layer.g_factor, layer.g_batch = g, torch.empty_like(g) if layer.g_factor is None else layer.g_factor
+            layer.a_factor, layer.a_batch = a, (factor_buffer(layer.a_dim, device=a.device)
+                                                if layer.a_factor is None else layer.a_factor)
+            layer.g_factor, layer.g_batch = g, (factor_buffer(layer.g_dim, device=g.device)
+                                                if layer.g_factor is None else layer.g_factor)
             return
         for name, value in (("a_factor", a), ("g_factor", g)):
             stored = getattr(layer, name)
             if stored is None:
-                setattr(layer, name, value.to(self.factor_dtype))
-            else:
-                stored.copy_(value)
+                stored = factor_buffer(value.shape[0], dtype=self.factor_dtype, device=value.device)
+                setattr(layer, name, stored)
+            stored.copy_(value)
 
     # ------------------------------------------------------------------ memory
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes this process holds for K-FAC: ``factors``, ``batch`` buffers, ``eigen`` data, ``total``."""
-        def nbytes(t):
-            return 0 if t is None else t.numel() * t.element_size()
+        """Bytes this process holds for K-FAC: ``factors``, ``batch`` buffers, ``eigen`` data and
+        ``total``, the factors' row padding included."""
         usage = {"factors": 0, "batch": 0, "eigen": 0}
         for layer in self.layers:
-            usage["factors"] += nbytes(layer.a_factor) + nbytes(layer.g_factor)
-            usage["batch"] += nbytes(layer.a_batch) + nbytes(layer.g_batch)
-            usage["eigen"] += sum(nbytes(t) for t in layer.eigen.values())
+            usage["factors"] += buffer_bytes(layer.a_factor) + buffer_bytes(layer.g_factor)
+            usage["batch"] += buffer_bytes(layer.a_batch) + buffer_bytes(layer.g_batch)
+            usage["eigen"] += sum(buffer_bytes(t) for t in layer.eigen.values())
         usage["total"] = sum(usage.values())
         return usage
 
@@ -707,7 +716,8 @@ class BaseKFACPreconditioner:
     def state_dict(self, include_eigen: bool = True) -> dict:
         """Steps, constant hyperparameters, factors and (by default) eigen data, per layer name.
 
-        Tensors keep their storage dtypes; everything is plain data (loadable with
+        Tensors keep their storage dtypes, and factors are saved unpadded ``[dim, dim]``
+        (contiguous); everything is plain data (loadable with
         ``torch.load(weights_only=True)``). Callable hyperparameters are not saved
         (pass them again to the constructor). With ``include_eigen`` a resumed run
         equals an uninterrupted one bit for bit; without it, :meth:`load_state_dict`
@@ -717,8 +727,8 @@ class BaseKFACPreconditioner:
         layers = {}
         for layer in self.layers:
             entry = {
-                "a_factor": None if layer.a_factor is None else layer.a_factor.clone(),
-                "g_factor": None if layer.g_factor is None else layer.g_factor.clone(),
+                "a_factor": _unpadded_copy(layer.a_factor),
+                "g_factor": _unpadded_copy(layer.g_factor),
                 "param_layout": _layer_layout(layer),
             }
             if include_eigen:
@@ -819,7 +829,11 @@ class BaseKFACPreconditioner:
             entry = state_dict["layers"][layer.name]
             for key in ("a_factor", "g_factor"):
                 t = entry[key]
-                setattr(layer, key, None if t is None else t.to(device=device, dtype=self.factor_dtype, copy=True))
+                stored = None
+                if t is not None:  # into the padded layout the kernels load in vectors
+                    stored = factor_buffer(t.shape[0], dtype=self.factor_dtype, device=device)
+                    stored.copy_(t)
+                setattr(layer, key, stored)
             layer.eigen = {}
             if not needs_eigen(index):
                 continue

@@ -17,7 +17,18 @@ For a layer with A factor ``[a, a]`` and G factor ``[g, g]`` (see
 :func:`kfac_inner_products`       ``<P_l, grad_l>`` in float64, per layer
 :func:`kfac_kl_clip_scale`        the KL-clip factor ``nu`` (float64) from them
 :func:`all_finite`                many finiteness checks, one host synchronisation
+:func:`factor_buffer`             a ``[d, d]`` factor in the layout below
 ===============================  ==================================================
+
+Factor layout. A factor (statistic buffer or running average) of ``d >= 128``
+columns is the ``[:, :d]`` view of a ``[d, factor_row_stride(d)]`` buffer, its
+rows padded to a multiple of 4 entries (16 bytes of float32): every row then
+starts 16-byte aligned, and the factor-update and triangle-packing kernels load
+it in vectors even where ``d`` is odd (a layer's input width plus its bias
+column: 577, 769). The padding is zero and never enters a product; checkpoints
+hold the unpadded ``[d, d]`` factors, and memory reports count the padding
+(:func:`buffer_bytes`). Narrower factors (at most 64 KB) are bound by launch
+latency rather than by their loads and are stored unpadded.
 
 Eigen data, by compute method (``"eigen"`` with or without ``prediv``, ``"inverse"``):
 
@@ -37,6 +48,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from tritonopt._validation import FLOAT_DTYPES, check_int, dtype_names
 from tritonopt.ops import (
     eigen_inv_denominator,
     eigenbasis_precondition,
@@ -48,7 +60,10 @@ __all__ = [
     "COMPUTE_METHODS",
     "Decomposition",
     "all_finite",
+    "buffer_bytes",
     "eigen_shapes",
+    "factor_buffer",
+    "factor_row_stride",
     "finiteness_probes",
     "gram_finiteness_probes",
     "kfac_accumulate_statistic",
@@ -62,6 +77,39 @@ __all__ = [
 ]
 
 COMPUTE_METHODS = ("eigen", "inverse")
+
+# See "Factor layout" above: rows of factors this wide or wider are padded to a multiple of
+# FACTOR_ROW_ALIGN entries.
+PADDED_FACTOR_MIN_DIM = 128
+FACTOR_ROW_ALIGN = 4
+
+
+def factor_row_stride(dim: int) -> int:
+    """The row stride of a ``[dim, dim]`` factor: ``dim``, rounded up to a multiple of 4 from 128 on."""
+    check_int("dim", dim, low=0)
+    if dim < PADDED_FACTOR_MIN_DIM:
+        return dim
+    return -(-dim // FACTOR_ROW_ALIGN) * FACTOR_ROW_ALIGN
+
+
+def factor_buffer(dim: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """An uninitialised ``[dim, dim]`` factor in K-FAC's layout (zero row padding, see the module's
+    docstring): the ``[:, :dim]`` view of a ``[dim, factor_row_stride(dim)]`` buffer."""
+    stride = factor_row_stride(dim)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be torch.{dtype_names(FLOAT_DTYPES)}, got {dtype!r}")
+    padded = torch.empty((dim, stride), dtype=dtype, device=device)
+    padded[:, dim:].zero_()
+    return padded[:, :dim]
+
+
+def buffer_bytes(t: Optional[torch.Tensor]) -> int:
+    """Bytes ``t`` occupies, the row padding of a factor included (0 for None)."""
+    if t is None:
+        return 0
+    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) > t.shape[1]:
+        return t.shape[0] * t.stride(0) * t.element_size()
+    return t.numel() * t.element_size()
 
 
 def _precision(precision: Optional[str]) -> dict:
@@ -142,13 +190,12 @@ def kfac_accumulate_statistic(
     ``1/m`` (decay ``(m-1)/m``), so after ``m`` calls the buffer holds the mean
     of the ``m`` micro-batch statistics, as if the factors were computed on the
     concatenated batch (paper sec. 4.2). ``statistic`` is a float32
-    ``[d + append_bias, d + append_bias]`` buffer, or None to allocate one (its
-    content is not read when ``count == 0``). ``precision``: the op's GPU
-    matrix-unit precision (None: the op's default).
+    ``[d + append_bias, d + append_bias]`` buffer, or None to allocate one
+    (:func:`factor_buffer`; its content is not read when ``count == 0``).
+    ``precision``: the op's GPU matrix-unit precision (None: the op's default).
     """
     if statistic is None:
-        dim = rows.shape[1] + int(append_bias)
-        statistic = torch.empty((dim, dim), dtype=torch.float32, device=rows.device)
+        statistic = factor_buffer(rows.shape[1] + int(append_bias), device=rows.device)
     kfac_factor_update(statistic, rows, count / (count + 1), append_bias=append_bias, scale=scale,
                        **_precision(precision))
     return statistic
