@@ -174,7 +174,8 @@ class LowRankState(HookState):
         self._loaded_layout = buckets
         self._layout_last = dict(buckets)
 
-    def _check_saved_tensors(self, check: StateDictChecks, state_dict, iteration: int, layout) -> tuple[dict, dict, torch.Tensor]:
+    def _check_saved_tensors(self, check: StateDictChecks, state_dict, iteration: int,
+                             layout) -> tuple[dict, dict, torch.Tensor]:
         """The saved buckets' parameter numbers, each compressed parameter's state and the generator's,
         checked against the saved parameters."""
         buckets, loaded = {}, {}
@@ -218,7 +219,8 @@ def lowrank_ef_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futur
     ``error = A - P Q^T``; ``Q`` is the next step's warm start. The factors of every
     rank are all-gathered and the tensor's result is ``(1/W) sum_j P_j Q_j^T`` on
     every rank; the other tensors are all-reduced and averaged. See
-    :mod:`tritonopt.dist.comm_hooks` for why the factors are gathered, warm-up, bytes, timeouts and checkpoints.
+    :mod:`tritonopt.dist.comm_hooks` for why the factors are gathered, warm-up, bytes,
+    timeouts and checkpoints.
 
     Returns:
         a future of the bucket's buffer, holding the average, as DDP expects.

@@ -34,7 +34,6 @@ def _entries_per_block(density: float, length: int) -> int:
     return max(1, math.ceil(round(density * length, 9)))
 
 
-
 @dataclass
 class _TopKBucket:
     """One bucket's layout and error: ``error`` is ``[num_blocks, block_size]`` float32, the
@@ -154,7 +153,8 @@ class EFTopKState(HookState):
         self._pending = pending
         self._layout_last = {s.index: s.keys for s in pending}
 
-    def _check_saved_buckets(self, check: StateDictChecks, state_dict, iteration: int, layout) -> list[_SavedTopKBucket]:
+    def _check_saved_buckets(self, check: StateDictChecks, state_dict, iteration: int,
+                             layout) -> list[_SavedTopKBucket]:
         """The saved ``buckets``, checked against the saved parameters: each bucket's numbers and error."""
         pending = []
         for index, keys, entry in check_buckets(check, "buckets", state_dict["buckets"], layout):
@@ -350,7 +350,8 @@ def ef_topk_hook(state: EFTopKState, bucket: dist.GradBucket) -> torch.futures.F
     ``state.block_size``), ``c`` = the ``k`` largest ``|a|`` of every block,
     ``error = a - c``. Every rank's ``c`` is all-gathered and the hook's result
     is ``(1/W) sum_j c_j`` on every rank (the same bits). See
-    :mod:`tritonopt.dist.comm_hooks` for warm-up, bytes, timeouts, checkpoints and the non-finite policy.
+    :mod:`tritonopt.dist.comm_hooks` for warm-up, bytes, timeouts, checkpoints and
+    the non-finite policy.
 
     Returns:
         a future of the bucket's buffer, holding the average, as DDP expects.

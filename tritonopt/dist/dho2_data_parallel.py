@@ -200,4 +200,3 @@ class DHO2(FOSI):
     def memory(self) -> dict:
         """What this rank held at the last ESE: its D shard and its Ritz vectors."""
         return self.subspace.memory
-
