@@ -81,6 +81,7 @@ bench: install
 	$(PY) -m perf.bench_sgd_momentum
 	$(PY) -m perf.bench_ssd_sgd
 	$(PY) -m perf.bench_optimizer_step
+	$(PY) -m perf.bench_sharded
 
 # The authors' implementations that perf.bench_anchors compares with (not dependencies of
 # tritonopt): checkouts at the commits the README's figures were measured with, in

@@ -1,4 +1,4 @@
-"""What DHO2, MR-DHO2 and the communication hooks need at construction, before their start-up agreement.
+"""What DHO2, MR-DHO2, SSD-SGD and the communication hooks need at construction, before their start-up agreement.
 
 An initialised process group, the device the agreement's small tensors live on (the group's
 backend must be able to move them) and the model's layout the ranks compare.

@@ -142,10 +142,11 @@ from tritonopt._validation import check_choice, check_float, check_int
 from tritonopt.dist._agreement import check_ranks_agree
 from tritonopt.dist._collective_guard import GuardedCommunicator, resolve_timeout, timed_group
 from tritonopt.dist._comm import CountingCommunicator
+from tritonopt.dist._startup import agreement_device
 from tritonopt.dist.ssd_sgd_check import CHECK_ELEMENTS, check_agrees, write_check
 # Read here by the tests of the agreement check, under the names they had when this module held them.
 from tritonopt.dist.ssd_sgd_check import DIGEST_BITS, check_digit_bits as _check_digit_bits  # noqa: F401
-from tritonopt.dist.ssd_sgd_checkpoint import STATE_NAMES, SSDSGDCheckpoints, agreement_device
+from tritonopt.dist.ssd_sgd_checkpoint import STATE_NAMES, SSDSGDCheckpoints
 from tritonopt.dist.ssd_sgd_core import (
     GROUP_KEYS,
     NVTX_PREFIX,

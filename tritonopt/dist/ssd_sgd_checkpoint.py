@@ -16,13 +16,13 @@ import hashlib
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from tritonopt.dist._agreement import check_ranks_agree
+from tritonopt.dist._startup import agreement_device
 from tritonopt.dist.ssd_sgd_check import CHECK_ELEMENTS, DIGEST_BITS
 from tritonopt.dist.ssd_sgd_core import GROUP_KEYS, VERDICTS, WindowState
 
-__all__ = ["STATE_NAMES", "SSDSGDCheckpoints", "agreement_device", "param_layout"]
+__all__ = ["STATE_NAMES", "SSDSGDCheckpoints", "param_layout"]
 
 STATE_NAMES = ("pre_weight", "shadow_weight", "shadow_momentum", "sync_momentum")
 # What a checkpoint holds per parameter: the state above and the rank's local weight.
@@ -35,13 +35,6 @@ _SAVED_FIELDS = frozenset((
     "window_start", "window_digest", "sync_state", "sync_scale", "verdict", "resolved", "pull_due", "trailer",
     "sync_buffers",
 ))
-
-
-def agreement_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    """Where the agreement check's small tensors live: NCCL needs the current CUDA device, gloo the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def param_layout(groups: Sequence[dict]) -> list[list[tuple]]:
