@@ -11,7 +11,7 @@ script reproduces those claims on 4 gloo processes on the CPU:
   of a fixed random teacher; 20,000 for training, split into 4 shards, 4,000
   for testing), an MLP 32-256-256-10 (76,810 parameters), batch 32 per rank,
   cross-entropy, server lr 0.05, momentum 0.9, weight decay 1e-4;
-* 101 warm-up (SSGD) iterations (the paper's ``wp = 100``), then 600
+* 101 warm-up (SSGD) iterations (``wp = 100``; the paper uses 500), then 600
   iterations (4.5 epochs in all), a multiple of every ``k`` so the global
   model is exact at the end;
 * runs: SSGD (SSDSGD that never leaves the warm-up), SSD-SGD ``k`` = 2, 3, 5,
