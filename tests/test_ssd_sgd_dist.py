@@ -325,19 +325,23 @@ def copy_and_memory_run(rank, group):
                 state_bytes=opt.state_bytes(), numel=sum(p.numel() for p in model.parameters()))
 
 
-def early_stop_run(rank, group):
-    """Rank 1 stops after 4 steps; rank 0 must raise within the group's timeout, not hang."""
-    model = make_model()
-    opt = SSDSGD(model.parameters(), lr=0.05, delay_steps=2, warmup_steps=2, process_group=group)
-    result = None
+def steps_until_an_error(model, opt, rank):
+    """Rank 0 steps 8 times, rank 1 only 4: rank 0's first failing step, its error and how long it waited."""
     for t in range(8 if rank == 0 else 4):
         opt.zero_grad()
         loss_of(model, *batch(rank, t)).backward()
         start = time.monotonic()
         error = capture(opt.step)
         if error is not None:
-            result = (t, error, time.monotonic() - start)
-            break
+            return (t, error, time.monotonic() - start)
+    return None
+
+
+def early_stop_run(rank, group):
+    """Rank 1 stops after 4 steps; rank 0 must raise within the group's timeout, not hang."""
+    model = make_model()
+    opt = SSDSGD(model.parameters(), lr=0.05, delay_steps=2, warmup_steps=2, process_group=group)
+    result = steps_until_an_error(model, opt, rank)
     dist.barrier()  # on the world group: rank 1 waits here while rank 0 times out
     return result
 
@@ -477,15 +481,7 @@ def own_timeout_run(rank, group):
     if error is not None:
         return dict(construction=error)
     opt = built[0]
-    result = None
-    for t in range(8 if rank == 0 else 4):
-        opt.zero_grad()
-        loss_of(model, *batch(rank, t)).backward()
-        start = time.monotonic()
-        error = capture(opt.step)
-        if error is not None:
-            result = (t, error, time.monotonic() - start)
-            break
+    result = steps_until_an_error(model, opt, rank)
     dist.barrier(group=group)  # rank 1 stalls here, on another group, while rank 0 waits out the timeout
     return dict(construction=None, failure=result, timeout=opt.timeout.total_seconds())
 
