@@ -402,3 +402,17 @@ def test_kaisa_refuses_copies_but_its_model_can_be_copied():
     twin = copy.deepcopy(model)  # the copy carries no K-FAC hooks that feed the original
     backward(twin, 0)
     assert kaisa.pending_statistics() == []
+
+
+def test_the_loss_scale_watch_ends_after_its_window():
+    """Without a scaler, the hooks' extra sums and step()'s comparison stop after the watch window,
+    so a long run does not keep paying for a check that found nothing."""
+    from tritonopt.optim.kfac_base import _LOSS_SCALE_WATCH_STEPS
+
+    model = make_mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    kfac = KFACPreconditioner(model)
+    train(model, sgd, kfac, range(_LOSS_SCALE_WATCH_STEPS - 1))
+    assert kfac.watches_loss_scale() and any(layer.g_sum is not None for layer in kfac.layers)
+    train(model, sgd, kfac, range(_LOSS_SCALE_WATCH_STEPS - 1, _LOSS_SCALE_WATCH_STEPS + 2))
+    assert not kfac.watches_loss_scale() and all(layer.g_sum is None for layer in kfac.layers)

@@ -76,6 +76,10 @@ _SMALLEST_REPORTED_SCALE_EXPONENT = 8
 _LOSS_SCALE_TOLERANCE = 2.0**-6
 # Steps in a row that must show the same kind of scale before the warning.
 _LOSS_SCALE_EVIDENCE_STEPS = 2
+# Checked steps after which, with nothing found, the hooks stop keeping the sums and step() stops
+# comparing them: a GradScaler scales from the first step, and the check costs a reduction per
+# layer and a host read per step, which a long run should not keep paying.
+_LOSS_SCALE_WATCH_STEPS = 20
 
 
 def check_hyperparameter(name: str, value) -> None:
@@ -286,6 +290,7 @@ class BaseKFACPreconditioner:
         self._reported_unhooked: set[str] = set()
         self._reported_loss_scale = False
         self._loss_scale_evidence = 0
+        self._loss_scale_checks = 0
         self._handles = [
             layer.module.register_forward_hook(_InputHook(self, i)) for i, layer in enumerate(self.layers)
         ]
@@ -382,10 +387,12 @@ class BaseKFACPreconditioner:
     def watches_loss_scale(self) -> bool:
         """Whether the hooks keep the sums that tell a loss scale nobody passed as ``grad_scaler``.
 
-        Until it was reported, without a ``grad_scaler``, and where the gradients are
-        this process's own (across ranks DDP averages them).
+        Until it was reported, without a ``grad_scaler``, where the gradients are this
+        process's own (across ranks DDP averages them), and for the first
+        ``_LOSS_SCALE_WATCH_STEPS`` checked steps only.
         """
         return (self.grad_scaler is None and not self._reported_loss_scale
+                and self._loss_scale_checks < _LOSS_SCALE_WATCH_STEPS
                 and getattr(self, "world_size", 1) == 1)
 
     def check_loss_scale(self, grads: dict[int, torch.Tensor]) -> None:
@@ -403,6 +410,10 @@ class BaseKFACPreconditioner:
                  if i in grads and layer.has_bias and layer.has_statistics and layer.g_sum is not None]
         if not pairs:
             return
+        self._loss_scale_checks += 1
+        if self._loss_scale_checks == _LOSS_SCALE_WATCH_STEPS:
+            for layer in self.layers:
+                layer.g_sum = None
         seen = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float64) for s, _ in pairs])
         applied = torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64) for _, b in pairs])
         ratios = [r for r in (seen / applied).tolist() if math.isfinite(r) and r > 0]
