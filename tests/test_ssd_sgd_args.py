@@ -3,14 +3,13 @@ its agreement check sees every bit of its digest."""
 
 import datetime
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 from tritonopt.dist import SSDSGD
-from tritonopt.dist import ssd_sgd
+from tritonopt.dist import ssd_sgd_check
 
 
 def params():
@@ -78,21 +77,24 @@ def test_a_process_group_is_required():
 def test_the_agreement_check_sees_every_bit_of_the_digest(world_size, dtype):
     """Summed over the ranks in the state dtype, the check tells equal 64-bit digests from any one bit flipped."""
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    checker = SimpleNamespace(world_size=world_size, _check_bits=ssd_sgd._check_digit_bits(world_size, dtype))
+    bits = ssd_sgd_check.check_digit_bits(world_size, dtype)
 
     def values(digest):
         out = torch.empty(SSDSGD.CHECK_ELEMENTS, dtype=state_dtype)
-        SSDSGD._write_check(checker, out, digest)
+        ssd_sgd_check.write_check(out, digest, bits)
         return out
+
+    def agrees(summed):
+        return ssd_sgd_check.check_agrees(summed, bits, world_size)
 
     rng = random.Random(world_size)
     for _ in range(3):
-        digest = rng.getrandbits(ssd_sgd.DIGEST_BITS)
+        digest = rng.getrandbits(ssd_sgd_check.DIGEST_BITS)
         same = values(digest)
         # (K - 1) copies of one rank's values plus another rank's: integers below 2^24, so exact.
-        assert SSDSGD._check_agrees(checker, same * world_size)
-        for bit in range(ssd_sgd.DIGEST_BITS):
+        assert agrees(same * world_size)
+        for bit in range(ssd_sgd_check.DIGEST_BITS):
             differing = same * (world_size - 1) + values(digest ^ (1 << bit))
-            assert not SSDSGD._check_agrees(checker, differing), bit
+            assert not agrees(differing), bit
     # One rank above the others and one below: the digits' sums alone would agree.
-    assert not SSDSGD._check_agrees(checker, values(5) + values(3) + values(4) * (world_size - 2))
+    assert not agrees(values(5) + values(3) + values(4) * (world_size - 2))

@@ -143,9 +143,7 @@ from tritonopt.dist._agreement import check_ranks_agree
 from tritonopt.dist._collective_guard import GuardedCommunicator, resolve_timeout, timed_group
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist._startup import agreement_device
-from tritonopt.dist.ssd_sgd_check import CHECK_ELEMENTS, check_agrees, write_check
-# Read here by the tests of the agreement check, under the names they had when this module held them.
-from tritonopt.dist.ssd_sgd_check import DIGEST_BITS, check_digit_bits as _check_digit_bits  # noqa: F401
+from tritonopt.dist.ssd_sgd_check import CHECK_ELEMENTS, check_digit_bits
 from tritonopt.dist.ssd_sgd_checkpoint import STATE_NAMES, SSDSGDCheckpoints
 from tritonopt.dist.ssd_sgd_core import (
     GROUP_KEYS,
@@ -278,7 +276,7 @@ class SSDSGD(SSDSGDCheckpoints, PackedOptimizer):
             process_group = timed_group(members, own_timeout, layer="SSDSGD", local=True)
         self.process_group = process_group
         self._collectives = GuardedCommunicator(self.comm, layer="SSDSGD", timeout=self.timeout)
-        self._check_bits = _check_digit_bits(self.world_size, self.param_groups[0]["params"][0].dtype)
+        self._check_bits = check_digit_bits(self.world_size, self.param_groups[0]["params"][0].dtype)
 
         with torch.no_grad():
             flat = FlatParameters(self.param_groups)
@@ -471,16 +469,6 @@ class SSDSGD(SSDSGDCheckpoints, PackedOptimizer):
         self.skipped_steps += skipped
         # stacklevel 3: the transport's step, which consumed the synchronisation.
         warnings.warn(f"SSDSGD: {problem}; {skipped} step(s) skipped", RuntimeWarning, stacklevel=3)
-
-    # ------------------------------------------------------------------ the agreement check
-
-    def _write_check(self, out: torch.Tensor, digest: int) -> None:
-        """``digest`` as this optimizer's all-reduces carry it (:func:`~tritonopt.dist.ssd_sgd_check.write_check`)."""
-        write_check(out, digest, self._check_bits)
-
-    def _check_agrees(self, summed: torch.Tensor) -> bool:
-        """Whether ``summed``, the sum of every rank's :meth:`_write_check` values, came from one digest."""
-        return check_agrees(summed, self._check_bits, self.world_size)
 
     def __reduce__(self):
         raise TypeError("SSDSGD holds a process group and cannot be copied or pickled; save its state_dict "
