@@ -163,8 +163,9 @@ def claims(rows, best: dict, setup, d: int, extra: int) -> list[harness.Claim]:
                       "its own best lr", abs(gap) <= PARITY_POINTS, f"{pm(gap, gap_se)} points"),
         harness.Claim(f"SSD-SGD k=5's delay stage runs at least {SPEEDUP:g}x faster than SSGD's on the link model",
                       speed >= SPEEDUP,
-                      f"{pm(speed, speed_se)}x; bytes {bytes_ratio:.2f}x fewer; overlap hid {pm(100 * hidden, 100 * hidden_se, 1)} "
-                      f"% of SSD-SGD's modeled transfer time; with no overlap at all the model gives {no_overlap:.2f}x"),
+                      f"{pm(speed, speed_se)}x; bytes {bytes_ratio:.2f}x fewer; overlap hid "
+                      f"{pm(100 * hidden, 100 * hidden_se, 1)} % of SSD-SGD's modeled transfer time; with no "
+                      f"overlap at all the model gives {no_overlap:.2f}x"),
     ]
     for ablation in ABLATIONS:
         diff, se = difference(_accs(rows, "sweep", SSD5, best[SSD5]), _accs(rows, "sweep", ablation, best[ablation]))

@@ -44,7 +44,7 @@ def call(buffers, backend, *, pulled, shadow, save_sync=True, **hyper):
 
 def expected_float64(b, *, pulled, shadow, lr, momentum, weight_decay, local_lr, local_weight_decay,
                      glu_alpha, glu_beta, sync_coef, shadow_scale=1.0):
-    """The step written as its closed form (design note sec. 5), in float64, plus bounds M per output."""
+    """The step as Eq. 8's closed form (``grad_sync`` substituted, per input), in float64, plus bounds M per output."""
     f = {k: v.double() for k, v in b.items()}
     if shadow and pulled:
         sw, smom = shadow_scale * f["sw"], shadow_scale * f["smom"]

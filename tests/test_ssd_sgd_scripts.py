@@ -1,5 +1,6 @@
 """The SSD-SGD benchmark and experiment: what their smoke runs write, the composite's math, the link
-model, the learning-rate rule, and the claim verdicts' exit status (``--help`` and plain smoke runs: ``test_perf_scripts.py``)."""
+model, the learning-rate rule, and the claim verdicts' exit status (``--help`` and plain smoke runs:
+``test_perf_scripts.py``)."""
 
 import importlib.util
 import time

@@ -4,7 +4,7 @@ DSP updates each stage's weights right after that stage's own backward (Xu et
 al., CVPR 2020, sec. 3.3), with SGD or momentum SGD (sec. 2, 4; the
 experiments use momentum 0.9, sec. 5). The update runs at the current weights
 with a stale gradient, so nothing but ``w``, ``g`` and the momentum buffer
-enters it. Math, element-wise, exactly ``torch.optim.SGD`` (spec sec. 5.1)::
+enters it. Math, element-wise, exactly ``torch.optim.SGD`` (the algorithm its documentation states)::
 
     d   = -g if maximize else g                              (fp32)
     d   = d + weight_decay * w                               if weight_decay != 0

@@ -192,8 +192,8 @@ def ssd_sgd_step_reference(
     """Plain-PyTorch SSD-SGD step; same contract as the kernel.
 
     Computes in float64 when the state is float64, else in float32. Eq. 8 is
-    evaluated in its closed form, with ``grad_sync = c (pre - w_src)`` gathered
-    per input (design note sec. 5)::
+    evaluated in its closed form: ``grad_sync = c (pre - w_src)`` (sec. 3.2.1)
+    substituted, the terms gathered per input::
 
         p = (1 - L wd_loc + L beta c) w_src - L alpha g - L beta c pre
 
