@@ -287,6 +287,10 @@ def markdown(setup: AccuracySetup, outcome: dict, command: str, seconds: float) 
             cell = _percent(values)
             cells.append(f"**{cell}**" if lr == chosen[mode] else cell)
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    edge = [mode for mode in setup.modes if len(setup.lrs) > 1 and chosen[mode] in (min(setup.lrs), max(setup.lrs))]
+    if edge:
+        lines += ["", "Chosen at the grid's edge (a wider grid might do better): "
+                  + ", ".join(f"{mode} (lr {chosen[mode]})" for mode in edge) + "."]
     epochs = range(1, setup.epochs + 1)
     lines += ["", "Test accuracy after each epoch, each mode at its own learning rate:", "",
               "| mode | lr | configuration | " + " | ".join(f"epoch {e}" for e in epochs) + " |",
