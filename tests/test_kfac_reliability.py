@@ -407,7 +407,7 @@ def test_kaisa_refuses_copies_but_its_model_can_be_copied():
 def test_the_loss_scale_watch_ends_after_its_window():
     """Without a scaler, the hooks' extra sums and step()'s comparison stop after the watch window,
     so a long run does not keep paying for a check that found nothing."""
-    from tritonopt.optim.kfac_base import _LOSS_SCALE_WATCH_STEPS
+    from tritonopt.optim._kfac_capture import _LOSS_SCALE_WATCH_STEPS
 
     model = make_mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)

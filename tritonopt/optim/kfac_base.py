@@ -16,16 +16,14 @@ non-finite policy (a NaN/inf gradient or statistic, or a preconditioned
 gradient that overflows float32) leaves every gradient, factor, eigen datum
 and counter as it was.
 
-Hooks are objects bound to the preconditioner (not closures), so
-``copy.deepcopy`` and ``pickle`` of a model together with its preconditioner
-give a copy whose hooks feed the copied preconditioner. (Callable
-hyperparameters must be picklable functions for ``pickle``.)
+This module holds the construction and the step pieces; the hooks and the
+checks of what they captured are in ``_kfac_capture.py``, the checkpoints in
+``_kfac_checkpoints.py``, the hyperparameters and argument checks in
+``_kfac_arguments.py``.
 """
 
 from __future__ import annotations
 
-import copy
-import math
 import warnings
 from typing import Callable, Iterable, Optional, Union
 
@@ -34,15 +32,17 @@ from torch import nn
 
 from tritonopt._runtime import nvtx_range
 from tritonopt.optim._sharding import KFAC_SHARDING_REFUSAL, refuse_sharded
-from tritonopt._validation import (
-    FLOAT_DTYPES,
-    check_bool,
-    check_choice,
-    check_float,
-    check_int,
-    check_tensor,
+from tritonopt._validation import FLOAT_DTYPES, check_bool, check_choice
+from tritonopt.optim._kfac_arguments import (
+    HYPERPARAMETERS,
+    Schedule,
+    check_grad_scaler,
+    check_hyperparameter,
+    check_precision,
 )
-from tritonopt.ops import eigenbasis_precondition_prediv
+from tritonopt.optim._kfac_capture import KFACStatisticsCapture
+from tritonopt.optim._kfac_capture import _InputHook  # noqa: F401  (pickles name the hook here)
+from tritonopt.optim._kfac_checkpoints import KFACCheckpoints
 from tritonopt.optim._kfac_layers import KFACLayer, register_layers
 from tritonopt.optim._packed import NONFINITE_POLICIES, apply_nonfinite_policy
 from tritonopt.optim.kfac_functional import (
@@ -53,7 +53,6 @@ from tritonopt.optim.kfac_functional import (
     factor_buffer,
     finiteness_probes,
     gram_finiteness_probes,
-    kfac_accumulate_statistic,
     kfac_eigen_data,
     kfac_eigendecompose,
     kfac_inner_products,
@@ -64,106 +63,8 @@ from tritonopt.optim.kfac_functional import (
 
 __all__ = ["BaseKFACPreconditioner", "HYPERPARAMETERS", "Schedule", "check_hyperparameter"]
 
-Schedule = Union[float, int, Callable[[int], float]]
-HYPERPARAMETERS = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
 
-# An unannounced loss scale is reported when the output gradients the hooks saw are 2^k
-# (k >= this) times the gradients step() preconditions. A GradScaler starts at 2^16 and
-# halves only on overflow; a smaller power of two is likelier a coincidence (a clip factor).
-_SMALLEST_REPORTED_SCALE_EXPONENT = 8
-# How far the two sums may differ beyond the power of two: a bias gradient computed in half
-# precision is rounded there (2.5e-3 measured for a bfloat16 Conv2d), the hooks' sum is float32.
-_LOSS_SCALE_TOLERANCE = 2.0**-6
-# Steps in a row that must show the same kind of scale before the warning.
-_LOSS_SCALE_EVIDENCE_STEPS = 2
-# Checked steps after which, with nothing found, the hooks stop keeping the sums and step() stops
-# comparing them: a GradScaler scales from the first step, and the check costs a reduction per
-# layer and a host read per step, which a long run should not keep paying.
-_LOSS_SCALE_WATCH_STEPS = 20
-
-
-def check_hyperparameter(name: str, value) -> None:
-    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is valid for it."""
-    if name in ("factor_update_steps", "inv_update_steps"):
-        check_int(name, value, low=1)
-    elif name == "damping":
-        check_float(name, value, low=0.0, low_open=True)
-    elif name == "factor_decay":
-        check_float(name, value, low=0.0, high=1.0, low_open=True)
-    elif name == "kl_clip":
-        if value is not None:
-            check_float(name, value, low=0.0, low_open=True)
-    elif name == "lr":
-        check_float(name, value, low=0.0)
-    else:
-        raise ValueError(f"unknown K-FAC hyperparameter {name!r}")
-
-
-def _layer_layout(layer) -> list[tuple]:
-    """The layer's weight (and bias) as ``(shape, dtype)`` pairs: what a checkpoint's factors were saved for."""
-    params = [layer.weight] + ([layer.bias] if layer.bias is not None else [])
-    return [(tuple(p.shape), p.dtype) for p in params]
-
-
-def _unpadded_copy(factor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A contiguous ``[dim, dim]`` copy of a (padded) factor, for a checkpoint."""
-    return None if factor is None else factor.clone(memory_format=torch.contiguous_format)
-
-
-def _check_precision(precision) -> None:
-    # The preconditioning op owns the list of precisions: run its argument checks on meta tensors.
-    if not isinstance(precision, str):
-        raise TypeError(f"precision must be a str, got {type(precision).__name__}")
-    probe = torch.empty((1, 1), device="meta")
-    eigenbasis_precondition_prediv(probe, probe, probe, probe, precision=precision)
-
-
-def _check_grad_scaler(grad_scaler) -> None:
-    if grad_scaler is None or isinstance(grad_scaler, torch.amp.GradScaler) or callable(grad_scaler):
-        return
-    raise TypeError(
-        "grad_scaler must be a torch.amp.GradScaler, a function returning the current loss scale, or None; "
-        f"got {type(grad_scaler).__name__}"
-    )
-
-
-class _InputHook:
-    """Forward hook of one registered layer: captures the A statistic.
-
-    A copy (``copy.deepcopy``, ``pickle``) is bound to the copy of its
-    preconditioner, or inert when the preconditioner cannot be copied.
-    """
-
-    def __init__(self, preconditioner: Optional["BaseKFACPreconditioner"], index: int):
-        self.preconditioner, self.index = preconditioner, index
-
-    def __call__(self, module, inputs, output):
-        if self.preconditioner is not None:
-            self.preconditioner.capture_input(self.index, inputs, output)
-
-    def _copyable(self):
-        p = self.preconditioner
-        return p if p is not None and p.copyable else None
-
-    def __deepcopy__(self, memo):
-        p = self._copyable()
-        return type(self)(None if p is None else copy.deepcopy(p, memo), self.index)
-
-    def __reduce__(self):
-        return type(self), (self._copyable(), self.index)
-
-
-class _OutputGradHook:
-    """Hook on one layer output's gradient: captures the G statistic."""
-
-    def __init__(self, preconditioner: "BaseKFACPreconditioner", index: int):
-        self.preconditioner, self.index = preconditioner, index
-
-    def __call__(self, grad):
-        self.preconditioner.capture_output_grad(self.index, grad)
-
-
-class BaseKFACPreconditioner:
+class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
     """K-FAC's layers, hooks, schedules, step pieces and checkpoints (see the module docstring).
 
     Args (all keyword-only but ``model``):
@@ -244,10 +145,10 @@ class BaseKFACPreconditioner:
                 check_hyperparameter(name, value)
         check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
         check_choice("compute_method", compute_method, COMPUTE_METHODS)
-        _check_precision(precision)
+        check_precision(precision)
         check_choice("factor_dtype", factor_dtype, FLOAT_DTYPES)
         check_choice("inv_dtype", inv_dtype, FLOAT_DTYPES)
-        _check_grad_scaler(grad_scaler)
+        check_grad_scaler(grad_scaler)
         if isinstance(skip_layers, (str, type)):
             skip_layers = (skip_layers,)
         skip_layers = tuple(skip_layers)
@@ -284,16 +185,7 @@ class BaseKFACPreconditioner:
         self.steps = 0
         self.skipped_steps = 0
         self.last_kl_scale: Optional[torch.Tensor] = None
-        self._capturing = self.is_factor_step()
-        self._loss_scale: Optional[float] = None
-        self._capture_problems: list[str] = []
-        self._reported_unhooked: set[str] = set()
-        self._reported_loss_scale = False
-        self._loss_scale_evidence = 0
-        self._loss_scale_checks = 0
-        self._handles = [
-            layer.module.register_forward_hook(_InputHook(self, i)) for i, layer in enumerate(self.layers)
-        ]
+        self._start_capture()
 
     # ------------------------------------------------------------------ hyperparameters
 
@@ -317,174 +209,6 @@ class BaseKFACPreconditioner:
 
     def eigen_shapes(self, layer: KFACLayer) -> dict[str, tuple[int, ...]]:
         return eigen_shapes(layer.a_dim, layer.g_dim, self.compute_method, self.prediv)
-
-    # ------------------------------------------------------------------ statistics capture
-
-    @property
-    def capturing(self) -> bool:
-        """Whether the hooks capture statistics now (a factor-update step)."""
-        return self._capturing
-
-    def capture_input(self, index: int, inputs: tuple, output) -> None:
-        """Forward hook: add this micro-batch's A statistic; hook the output for G.
-
-        Runs only in training mode with autograd on, on factor-update steps. It
-        never raises: an empty batch is counted and reported by ``step()``, an
-        input of an unsupported dtype makes ``step()`` raise.
-        """
-        layer = self.layers[index]
-        if not (self._capturing and layer.module.training and torch.is_grad_enabled()):
-            return
-        x = inputs[0] if inputs else None
-        if not isinstance(x, torch.Tensor):
-            return
-        if x.dtype not in FLOAT_DTYPES:
-            self._capture_problems.append(f"layer {layer.name!r} received a {x.dtype} input")
-            return
-        rows, scale = layer.a_rows(x.detach())
-        if rows.shape[0] == 0:
-            layer.empty_batches += 1
-            return
-        layer.a_batch = kfac_accumulate_statistic(layer.a_batch, rows, layer.a_count, append_bias=layer.has_bias,
-                                                  scale=scale, precision=self.precision)
-        layer.a_count += 1
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(_OutputGradHook(self, index))
-
-    def capture_output_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Backward hook: add this micro-batch's G statistic (unscaled by the loss scale)."""
-        layer = self.layers[index]
-        rows, scale = layer.g_rows(grad.detach(), self.g_batch_scale)
-        if rows.shape[0] == 0:
-            return
-        loss_scale = self.loss_scale()
-        if loss_scale is None:
-            return
-        if layer.has_bias and self.watches_loss_scale():
-            rows_sum = rows.sum(dim=0, dtype=torch.float32)
-            layer.g_sum = rows_sum if layer.g_count == 0 else layer.g_sum.add_(rows_sum)
-        layer.g_batch = kfac_accumulate_statistic(layer.g_batch, rows, layer.g_count, append_bias=False,
-                                                  scale=scale / loss_scale, precision=self.precision)
-        layer.g_count += 1
-
-    def loss_scale(self) -> Optional[float]:
-        """The grad scaler's current scale (1 without one), read once per step; None if unusable."""
-        if self._loss_scale is None:
-            if self.grad_scaler is None:
-                value = 1.0
-            elif isinstance(self.grad_scaler, torch.amp.GradScaler):
-                value = self.grad_scaler.get_scale()
-            else:
-                value = self.grad_scaler()
-            if isinstance(value, torch.Tensor):
-                value = value.item()
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                self._capture_problems.append(f"the grad scaler's scale is {value!r}, not a finite number > 0")
-                return None
-            self._loss_scale = float(value)
-        return self._loss_scale
-
-    def watches_loss_scale(self) -> bool:
-        """Whether the hooks keep the sums that tell a loss scale nobody passed as ``grad_scaler``.
-
-        Until it was reported, without a ``grad_scaler``, where the gradients are this
-        process's own (across ranks DDP averages them), and for the first
-        ``_LOSS_SCALE_WATCH_STEPS`` checked steps only.
-        """
-        return (self.grad_scaler is None and not self._reported_loss_scale
-                and self._loss_scale_checks < _LOSS_SCALE_WATCH_STEPS
-                and getattr(self, "world_size", 1) == 1)
-
-    def check_loss_scale(self, grads: dict[int, torch.Tensor]) -> None:
-        """Warn once when the output gradients were loss-scaled but no ``grad_scaler`` was given.
-
-        For a layer with a bias, the sum of the output-gradient rows its hook saw is
-        its bias gradient. A ``torch.amp.GradScaler`` scales the first by ``2^k`` and
-        ``scaler.unscale_`` divides the second by it; G then holds ``2^(2k)``. So when
-        every comparable layer shows the same kind of ratio, a power of two of at least
-        ``2^8``, on two steps in a row, it warns (``RuntimeWarning``) to pass ``grad_scaler=``.
-        """
-        if not self.watches_loss_scale():
-            return
-        pairs = [(layer.g_sum, grads[i][:, -1]) for i, layer in enumerate(self.layers)
-                 if i in grads and layer.has_bias and layer.has_statistics and layer.g_sum is not None]
-        if not pairs:
-            return
-        self._loss_scale_checks += 1
-        if self._loss_scale_checks == _LOSS_SCALE_WATCH_STEPS:
-            for layer in self.layers:
-                layer.g_sum = None
-        seen = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float64) for s, _ in pairs])
-        applied = torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64) for _, b in pairs])
-        ratios = [r for r in (seen / applied).tolist() if math.isfinite(r) and r > 0]
-        if not ratios:
-            return
-        exponents = [round(math.log2(r)) for r in ratios]
-        scaled = all(k == exponents[0] and k >= _SMALLEST_REPORTED_SCALE_EXPONENT
-                     and abs(r / 2.0**k - 1) <= _LOSS_SCALE_TOLERANCE for r, k in zip(ratios, exponents))
-        self._loss_scale_evidence = self._loss_scale_evidence + 1 if scaled else 0
-        if self._loss_scale_evidence < _LOSS_SCALE_EVIDENCE_STEPS:
-            return
-        self._reported_loss_scale = True
-        for layer in self.layers:
-            layer.g_sum = None
-        warnings.warn(
-            f"{type(self).__name__}: the output gradients its hooks saw were 2^{exponents[0]} times the "
-            "gradients it preconditions, as a torch.amp.GradScaler's loss scale makes them after "
-            "scaler.unscale_: pass grad_scaler=scaler, or G holds the squared loss scale and the "
-            "preconditioned updates shrink by orders of magnitude", RuntimeWarning, stacklevel=5,
-        )
-
-    def pending_statistics(self) -> list[int]:
-        """Indices of the layers that have this step's A and G statistics."""
-        return [i for i, layer in enumerate(self.layers) if layer.has_statistics]
-
-    def end_capture(self) -> None:
-        """Forget this step's statistics (after a step, refused or not)."""
-        for layer in self.layers:
-            layer.a_count = layer.g_count = layer.empty_batches = 0
-        self._loss_scale = None
-        self._capture_problems.clear()
-        self._capturing = self.is_factor_step()
-
-    def check_capture(self, grads: dict[int, torch.Tensor]) -> None:
-        """Raise for problems the hooks recorded; warn about layers the hooks did not reach.
-
-        A registered layer with a gradient but no statistics on a step where other
-        layers got theirs has a module whose forward is never called (e.g.
-        ``nn.MultiheadAttention.out_proj``, whose weight is used directly): it is
-        reported once and passes its gradient through unpreconditioned.
-        """
-        if self._capture_problems:
-            problems = "; ".join(dict.fromkeys(self._capture_problems))
-            raise ValueError(
-                f"{type(self).__name__}: {problems}. K-FAC takes float32, float16 or bfloat16 activations "
-                "and a finite loss scale > 0; nothing was modified"
-            )
-        self.check_loss_scale(grads)
-        empty = [l.name for l in self.layers if l.empty_batches]
-        if empty:
-            warnings.warn(
-                f"{type(self).__name__}: an empty batch (0 rows) reached layers {empty}; it contributed no "
-                "factor statistics", RuntimeWarning, stacklevel=3,
-            )
-        if not any(l.has_statistics for l in self.layers):
-            return
-        unhooked = [self.layers[i].name for i in grads
-                    if not self.layers[i].has_statistics and self.layers[i].name not in self._reported_unhooked]
-        if unhooked:
-            self._reported_unhooked.update(unhooked)
-            warnings.warn(
-                f"{type(self).__name__}: layers {unhooked} have gradients but their forward hooks never ran "
-                "(their modules are not called, as MultiheadAttention.out_proj is not): they get no factors "
-                "and are not preconditioned; add them to skip_layers", RuntimeWarning, stacklevel=3,
-            )
-
-    def remove_hooks(self) -> None:
-        """Detach the preconditioner from the model (no more factor statistics)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     # ------------------------------------------------------------------ step pieces
 
@@ -721,149 +445,3 @@ class BaseKFACPreconditioner:
             usage["eigen"] += sum(buffer_bytes(t) for t in layer.eigen.values())
         usage["total"] = sum(usage.values())
         return usage
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self, include_eigen: bool = True) -> dict:
-        """Steps, constant hyperparameters, factors and (by default) eigen data, per layer name.
-
-        Tensors keep their storage dtypes, and factors are saved unpadded ``[dim, dim]``
-        (contiguous); everything is plain data (loadable with
-        ``torch.load(weights_only=True)``). Callable hyperparameters are not saved
-        (pass them again to the constructor). With ``include_eigen`` a resumed run
-        equals an uninterrupted one bit for bit; without it, :meth:`load_state_dict`
-        recomputes the eigen data from the factors, which equals the uninterrupted
-        run only when the factors did not change since the last eigen update.
-        """
-        layers = {}
-        for layer in self.layers:
-            entry = {
-                "a_factor": _unpadded_copy(layer.a_factor),
-                "g_factor": _unpadded_copy(layer.g_factor),
-                "param_layout": _layer_layout(layer),
-            }
-            if include_eigen:
-                entry["eigen"] = {k: v.clone() for k, v in layer.eigen.items()}
-            layers[layer.name] = entry
-        return {
-            "steps": self.steps,
-            "skipped_steps": self.skipped_steps,
-            "hyperparameters": {k: v for k, v in self.hyperparameters.items() if not callable(v)},
-            "prediv": self.prediv,
-            "compute_method": self.compute_method,
-            "layers": layers,
-        }
-
-    def check_state_dict(self, state_dict) -> None:
-        """Raise ``ValueError`` naming the problem unless ``state_dict`` fits this preconditioner."""
-        try:
-            self._check_state_dict(state_dict)
-        except TypeError as error:  # a field of the wrong kind is a bad value of the state dict
-            raise ValueError(str(error)) from error
-
-    def _check_state_dict(self, state_dict) -> None:
-        if not isinstance(state_dict, dict) or "layers" not in state_dict or "steps" not in state_dict:
-            raise ValueError(f"state_dict must be a dict from {type(self).__name__}.state_dict()")
-        check_int("state_dict['steps']", state_dict["steps"], low=0)
-        check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", 0), low=0)
-        for key, mine in (("prediv", self.prediv), ("compute_method", self.compute_method)):
-            if state_dict.get(key, mine) != mine:
-                raise ValueError(f"state_dict was saved with {key}={state_dict[key]!r}, this preconditioner "
-                                 f"has {key}={mine!r}")
-        hyper = state_dict.get("hyperparameters", {})
-        if not isinstance(hyper, dict):
-            raise ValueError("state_dict['hyperparameters'] must be a dict")
-        for name, value in hyper.items():
-            if name not in HYPERPARAMETERS:
-                raise ValueError(f"state_dict has an unknown hyperparameter {name!r}")
-            check_hyperparameter(name, value)
-        saved = state_dict["layers"]
-        if not isinstance(saved, dict):
-            raise ValueError("state_dict['layers'] must be a dict of layer names")
-        names = [l.name for l in self.layers]
-        if sorted(saved) != sorted(names):
-            raise ValueError(f"state_dict has layers {sorted(saved)} but this preconditioner has {sorted(names)}")
-        for layer in self.layers:
-            entry = saved[layer.name]
-            if not isinstance(entry, dict):
-                raise ValueError(f"state_dict layer {layer.name!r}: expected a dict, got {type(entry).__name__}")
-            saved_layout, layout = entry.get("param_layout"), _layer_layout(layer)
-            if saved_layout is None or [(tuple(s), d) for s, d in saved_layout] != layout:
-                raise ValueError(f"state_dict layer {layer.name!r}: param_layout {saved_layout!r} is not this layer's "
-                                 f"{layout!r} (weight and bias shapes and dtypes): its factors are another layer's")
-            for key, dim in (("a_factor", layer.a_dim), ("g_factor", layer.g_dim)):
-                if key not in entry:
-                    raise ValueError(f"state_dict layer {layer.name!r} has no {key!r}")
-                if entry[key] is not None:
-                    self._check_saved_tensor(layer, key, entry[key], (dim, dim))
-            if (entry["a_factor"] is None) != (entry["g_factor"] is None):
-                raise ValueError(f"state_dict layer {layer.name!r}: a_factor and g_factor must both be saved or both None")
-            if "eigen" in entry:
-                self._check_saved_eigen(layer, entry["eigen"])
-
-    def _check_saved_tensor(self, layer: KFACLayer, key: str, value, shape) -> None:
-        where = f"state_dict layer {layer.name!r}: {key}"
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{where} has shape {got}, expected {tuple(shape)}")
-        check_tensor(where, value, dtypes=FLOAT_DTYPES)
-
-    def _check_saved_eigen(self, layer: KFACLayer, eigen) -> None:
-        if not isinstance(eigen, dict):
-            raise ValueError(f"state_dict layer {layer.name!r}: eigen must be a dict, got {type(eigen).__name__}")
-        if not eigen:
-            return
-        shapes = self.eigen_shapes(layer)
-        if set(eigen) != set(shapes):
-            raise ValueError(
-                f"state_dict layer {layer.name!r}: eigen holds {sorted(eigen)}, expected {sorted(shapes)} "
-                f"(compute_method={self.compute_method!r}, prediv={self.prediv})"
-            )
-        for name, shape in shapes.items():
-            self._check_saved_tensor(layer, f"eigen {name!r}", eigen[name], shape)
-
-    def restore_state(self, state_dict: dict, needs_eigen: Callable[[int], bool]) -> list[int]:
-        """Load a checked state dict; returns the layers that need eigen data it lacks.
-
-        Call :meth:`check_state_dict` first. Eigen data are kept for the layers
-        ``needs_eigen`` accepts; a layer with saved factors and no (or empty)
-        saved eigen data is returned for recomputation.
-        """
-        device = self.layers[0].weight.device
-        for name, value in state_dict.get("hyperparameters", {}).items():
-            if not callable(self.hyperparameters[name]):
-                self.hyperparameters[name] = value
-        self.steps = int(state_dict["steps"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        missing = []
-        for index, layer in enumerate(self.layers):
-            entry = state_dict["layers"][layer.name]
-            for key in ("a_factor", "g_factor"):
-                t = entry[key]
-                stored = None
-                if t is not None:  # into the padded layout the kernels load in vectors
-                    stored = factor_buffer(t.shape[0], dtype=self.factor_dtype, device=device)
-                    stored.copy_(t)
-                setattr(layer, key, stored)
-            layer.eigen = {}
-            if not needs_eigen(index):
-                continue
-            saved = entry.get("eigen") or {}
-            if saved:
-                layer.eigen = {k: v.to(device=device, dtype=self.inv_dtype, copy=True) for k, v in saved.items()}
-            elif layer.a_factor is not None:
-                missing.append(index)
-        self.end_capture()
-        return missing
-
-    def load_state_dict(self, state_dict: dict, compute_inverses: bool = True) -> None:
-        """Restore :meth:`state_dict`; validated before anything changes.
-
-        Eigen data missing from ``state_dict`` are recomputed from the factors when
-        ``compute_inverses`` is true.
-        """
-        self.check_state_dict(state_dict)
-        missing = self.restore_state(state_dict, needs_eigen=lambda index: True)
-        if compute_inverses and missing:
-            for i, data in self.eigen_update(missing, {}, self.hyperparameter("damping")).items():
-                self.layers[i].eigen = data
