@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import itertools
+import threading
+import warnings
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from torch import nn
 from torch.distributed.pipelining import pipe_split
 
 from tritonopt.dist import DSPSimulator, simulate_dsp, split_stages
-from tritonopt.dist.dsp_core import check_staleness, stage_actions
+from tritonopt.dist.dsp_core import StageCompute, check_staleness, stage_actions
 
 LOSS = nn.functional.cross_entropy
 
@@ -439,3 +442,203 @@ def test_a_tritonopt_optimizer_per_stage():
     with tritonopt.use_backend("reference"):
         losses = simulate_dsp(stages, optimizers, data, [2, 0], LOSS)
     assert losses[-10:].mean() < 0.7 * losses[:10].mean()
+
+
+# --------------------------------------------------------------------------- overlapped recompute
+
+
+def _recompute_threads(module):
+    """Names of the threads that ran ``module`` with a graph (its recomputations)."""
+    names = []
+    module.register_forward_hook(
+        lambda mod, args, out: names.append(threading.current_thread().name) if torch.is_grad_enabled() else None
+    )
+    return names
+
+
+def _run_with(recompute, make_model, cuts, batches, staleness, **options):
+    model = make_model()
+    stages = split_stages(model, boundaries=cuts)
+    threads = _recompute_threads(stages[0])
+    torch.manual_seed(21)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no stage falls back to serial
+        losses = simulate_dsp(stages, [sgd(s.parameters()) for s in stages], batches, staleness, LOSS,
+                              recompute=recompute, **options)
+    return losses, state(model), torch.rand(4), threads
+
+
+@pytest.mark.parametrize("bn_policy", ["forward", "recompute"])
+@pytest.mark.parametrize("model", ["cnn", "mlp"])
+def test_overlapped_recompute_equals_serial_bit_for_bit(model, bn_policy):
+    """Dropout masks, running statistics, weights and the caller's RNG stream: the same bits."""
+    make, cuts, batches, staleness = {
+        "cnn": (make_cnn, [4], cnn_batches(), [3, 0]),
+        "mlp": (lambda: make_mlp(dropout=0.3), MLP_CUTS[3], mlp_batches(), [4, 2, 0]),
+    }[model]
+    serial = _run_with("serial", make, cuts, batches, staleness, bn_policy=bn_policy)
+    overlap = _run_with("overlap", make, cuts, batches, staleness, bn_policy=bn_policy)
+    assert torch.equal(serial[0], overlap[0])
+    assert_same(serial[1], overlap[1])  # parameters and buffers
+    assert torch.equal(serial[2], overlap[2])  # the caller's stream continues alike
+    # Every recomputation but the drain's (no forward left to overlap) ran in a worker thread.
+    assert set(serial[3]) == {"MainThread"}
+    workers = [name for name in overlap[3] if name != "MainThread"]
+    assert len(workers) == len(batches) - staleness[0] and len(overlap[3]) == len(batches)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tritonopt-dsp-recompute")]
+
+
+def test_overlapped_recompute_with_own_seeds_streaming_and_any_interleaving():
+    batches = mlp_batches(13)
+    runs = []
+    for recompute, interleaving in (("serial", None), ("overlap", None), ("overlap", 3)):
+        model = make_mlp(dropout=0.3)
+        stages = split_stages(model, boundaries=MLP_CUTS[3])
+        sim = DSPSimulator(stages, [sgd(s.parameters()) for s in stages], (4, 2, 0), LOSS, seeds=[5, 6, 7],
+                           flush="never", recompute=recompute)
+        losses = [sim.train(batches[:9], interleaving_seed=interleaving), sim.train(batches[9:])]
+        sim.flush()
+        runs.append((torch.cat(losses), state(model)))
+    for losses, params in runs[1:]:
+        assert torch.equal(losses, runs[0][0])
+        assert_same(params, runs[0][1])
+
+
+@pytest.mark.parametrize("cache_enabled", [False, True])
+def test_overlapped_recompute_keeps_the_callers_autocast_and_grad_mode(cache_enabled):
+    """Grad mode and autocast are per thread: the worker builds its graph under the caller's.
+
+    Autocast's weight cache is per thread too, and may hold casts from before the last
+    updates: with it enabled the stage recomputes serially, and says so.
+    """
+    dtypes = []
+    results = {}
+    for recompute in ("serial", "overlap"):
+        stages = split_stages(make_mlp(), boundaries=MLP_CUTS[2])
+        stages[0].register_forward_hook(
+            lambda mod, args, out: dtypes.append((recompute, threading.current_thread().name, out.dtype))
+            if out.requires_grad else None
+        )
+        with warnings.catch_warnings(record=True) as caught, torch.autocast(
+            "cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled
+        ):
+            warnings.simplefilter("always")
+            losses = simulate_dsp(stages, [sgd(s.parameters()) for s in stages], mlp_batches(), [2, 0], LOSS,
+                                  recompute=recompute)
+        results[recompute] = (losses, [p.detach().clone() for s in stages for p in s.parameters()],
+                              [str(w.message) for w in caught if "recomputes serially" in str(w.message)])
+    assert {dtype for _, _, dtype in dtypes} == {torch.bfloat16}
+    in_workers = [name for mode, name, _ in dtypes if mode == "overlap" and name != "MainThread"]
+    assert len(in_workers) == (0 if cache_enabled else len(mlp_batches()) - 2)
+    assert len(results["overlap"][2]) == (1 if cache_enabled else 0)
+    assert torch.equal(results["serial"][0], results["overlap"][0])
+    assert_same(results["serial"][1], results["overlap"][1])
+
+
+class RandomNoise(nn.Module):
+    """Adds noise drawn by ``draw`` (a tensor-shaped RNG call) in training mode."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+
+    def forward(self, x):
+        return x + 0.1 * self.draw(x) if self.training else x
+
+
+class RunningShift(nn.Module):
+    """A buffer its forward both reads and writes: the recomputation must see the forward's update."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("shift", torch.zeros(()))
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            self.shift += 0.5
+        return x + self.shift
+
+
+@pytest.mark.parametrize(
+    "layer, falls_back",
+    [
+        (lambda: RandomNoise(lambda x: torch.rand(x.shape)), False),  # rand.default -> rand.generator
+        (lambda: RandomNoise(lambda x: torch.empty_like(x).normal_()), False),
+        (lambda: RandomNoise(torch.rand_like), False),  # rand_like.default -> rand_like.generator
+        (lambda: RandomNoise(lambda x: torch.native_dropout(x, 0.5, True)[0]), True),  # no generator: serial
+        (RunningShift, True),
+    ],
+    ids=["rand", "normal_", "rand_like", "native_dropout", "buffer_read_after_write"],
+)
+def test_overlap_equals_serial_or_falls_back_to_serial(layer, falls_back):
+    results = {}
+    for recompute in ("serial", "overlap"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), layer(), nn.Tanh(), nn.Linear(16, 3))
+        stages = split_stages(model, boundaries=[3])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(4)
+            losses = simulate_dsp(stages, [sgd(s.parameters()) for s in stages], mlp_batches(), [3, 0], LOSS,
+                                  recompute=recompute)
+        results[recompute] = (losses, state(model), [str(w.message) for w in caught])
+    assert torch.equal(results["serial"][0], results["overlap"][0])
+    assert_same(results["serial"][1], results["overlap"][1])
+    fell_back = [m for m in results["overlap"][2] if "recomputes serially" in m]
+    assert len(fell_back) == (1 if falls_back else 0), results["overlap"][2]
+
+
+class FailsWithGraph(nn.Module):
+    """Forwards fine without a graph; its recomputations (with one) raise from batch ``bad`` on."""
+
+    def __init__(self, bad: int):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.recomputations, self.bad = itertools.count(), bad  # shared with the shadow copies
+
+    def forward(self, x):
+        if torch.is_grad_enabled() and next(self.recomputations) >= self.bad:
+            raise ValueError("the block cannot take this input")
+        return self.linear(x)
+
+
+def test_an_error_in_the_overlapped_recompute_reaches_the_caller_and_leaves_no_thread():
+    stages = [FailsWithGraph(bad=2), nn.Linear(6, 3)]
+    optimizers = [sgd(s.parameters()) for s in stages]
+    with pytest.raises(RuntimeError, match=r"overlapped recomputation of batch 2 failed in its worker thread: "
+                                           r"ValueError: the block cannot take this input") as info:
+        simulate_dsp(stages, optimizers, mlp_batches(), [2, 0], LOSS, recompute="overlap")
+    assert isinstance(info.value.__cause__, ValueError)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tritonopt-dsp-recompute")]
+
+
+def test_an_error_in_the_forward_waits_for_the_running_recompute():
+    class FailsAtBatch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.forwards = nn.Linear(6, 6), 0
+
+        def forward(self, x):
+            if not torch.is_grad_enabled():
+                self.forwards += 1
+                if self.forwards == 5:
+                    raise ValueError("bad batch")
+            return self.linear(x)
+
+    stages = [FailsAtBatch(), nn.Linear(6, 3)]
+    with pytest.raises(ValueError, match="bad batch"):
+        simulate_dsp(stages, [sgd(s.parameters()) for s in stages], mlp_batches(), [2, 0], LOSS, recompute="overlap")
+    assert not [t for t in threading.enumerate() if t.name.startswith("tritonopt-dsp-recompute")]
+
+
+def test_a_bad_recompute_mode_is_rejected_before_anything_changes():
+    model = make_mlp()
+    stages = split_stages(model, boundaries=[3])
+    optimizers = [sgd(s.parameters()) for s in stages]
+    before = state(model)
+    with pytest.raises(ValueError, match=r"recompute must be one of \('serial', 'overlap'\), got 'parallel'"):
+        simulate_dsp(stages, optimizers, mlp_batches(), [1, 0], LOSS, recompute="parallel")
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        StageCompute(stages[0], optimizers[0], 1, is_first=True, is_last=False, recompute=None)
+    assert_same(state(model), before)
+    assert all(not o.state for o in optimizers)

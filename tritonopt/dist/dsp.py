@@ -79,6 +79,7 @@ from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.dsp_core import (
     BN_POLICIES,
     FLUSH_MODES,
+    RECOMPUTE_MODES,
     PhaseHook,
     StageCompute,
     check_staleness,
@@ -124,6 +125,10 @@ class DSPStage:
         bn_policy: ``"forward"`` (buffers such as BatchNorm running statistics are
             updated by the forward pass, and restored after the recomputation) or
             ``"recompute"`` (the other way round).
+        recompute: ``"serial"``: the stored input is recomputed inside the backward;
+            ``"overlap"``: while the stage forwards batch ``t`` it recomputes the input of the
+            backward that follows (paper sec. 3.3), in a worker thread on the CPU, on a side
+            stream on CUDA. The same numbers either way; ranks may differ in this setting.
         flush: ``"epoch"``: each :meth:`train` call drains the pipeline (batch ids
             restart at 0); ``"never"``: batches stream across calls, :meth:`flush` drains.
             The same on every rank.
@@ -147,6 +152,7 @@ class DSPStage:
         loss_fn: Optional[Callable] = None,
         group: Optional[dist.ProcessGroup] = None,
         bn_policy: str = "forward",
+        recompute: str = "serial",
         flush: str = "epoch",
         timeout: Union[None, float, datetime.timedelta] = None,
         record_events: bool = False,
@@ -171,7 +177,7 @@ class DSPStage:
         problem: Optional[Exception] = None
         try:
             self.timeout = resolve_timeout(timeout, group)
-            self._check_arguments(module, optimizer, staleness, loss_fn, bn_policy, flush, phase_hook)
+            self._check_arguments(module, optimizer, staleness, loss_fn, bn_policy, recompute, flush, phase_hook)
         except (TypeError, ValueError) as exc:
             problem = exc
         members = tuple(self._global_rank(k) for k in range(self.num_stages))
@@ -195,7 +201,8 @@ class DSPStage:
         self.optimizer = optimizer
         self._compute = StageCompute(
             module, optimizer, staleness, is_first=self.is_first, is_last=self.is_last,
-            loss_fn=loss_fn, bn_policy=bn_policy, record_events=record_events, phase_hook=phase_hook,
+            loss_fn=loss_fn, bn_policy=bn_policy, recompute=recompute, record_events=record_events,
+            phase_hook=phase_hook,
         )
         self._prev = None if self.is_first else self._global_rank(self.stage - 1)
         self._next = None if self.is_last else self._global_rank(self.stage + 1)
@@ -209,7 +216,8 @@ class DSPStage:
 
     # ------------------------------------------------------------ validation
 
-    def _check_arguments(self, module, optimizer, staleness, loss_fn, bn_policy, flush, phase_hook) -> None:
+    def _check_arguments(self, module, optimizer, staleness, loss_fn, bn_policy, recompute, flush,
+                         phase_hook) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
@@ -228,6 +236,8 @@ class DSPStage:
             raise TypeError(f"the last stage needs a callable loss_fn, got {type(loss_fn).__name__}")
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         if flush not in FLUSH_MODES:
             raise ValueError(f"flush must be one of {FLUSH_MODES}, got {flush!r}")
         if phase_hook is not None and not callable(phase_hook):
@@ -458,6 +468,13 @@ class DSPStage:
         return item
 
     def _run(self, items, first_batch: int, count: int) -> list[torch.Tensor]:
+        try:
+            return self._run_actions(items, first_batch, count)
+        except BaseException:
+            self._compute.discard_prefetch()  # no recomputation thread outlives a failed run
+            raise
+
+    def _run_actions(self, items, first_batch: int, count: int) -> list[torch.Tensor]:
         compute = self._compute
         actions = list(stage_actions(self.staleness, self.is_last, first_batch, count, compute.pending))
         activations_left = count if not self.is_first else 0

@@ -29,6 +29,7 @@ from torch import nn
 from tritonopt.dist.dsp_core import (
     BN_POLICIES,
     FLUSH_MODES,
+    RECOMPUTE_MODES,
     StageCompute,
     capture_rng,
     check_staleness,
@@ -62,6 +63,8 @@ class DSPSimulator:
         staleness: ``(m_0, ..., m_{K-1})``, non-increasing, last 0.
         loss_fn: ``loss_fn(output, targets) -> scalar`` for the last block.
         bn_policy: ``"forward"`` or ``"recompute"`` (see :mod:`tritonopt.dist.dsp_core`).
+        recompute: ``"serial"`` or ``"overlap"`` (each stage recomputes beside its next forward,
+            in a worker thread; the same results).
         flush: ``"epoch"`` (each :meth:`train` drains the pipeline) or ``"never"``
             (batches stream across calls; :meth:`flush` drains).
         seeds: per-stage RNG seeds, or ``None`` to share the caller's stream.
@@ -76,6 +79,7 @@ class DSPSimulator:
         loss_fn: Callable,
         *,
         bn_policy: str = "forward",
+        recompute: str = "serial",
         flush: str = "epoch",
         seeds: Optional[Sequence[int]] = None,
         record_events: bool = False,
@@ -99,6 +103,8 @@ class DSPSimulator:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         if flush not in FLUSH_MODES:
             raise ValueError(f"flush must be one of {FLUSH_MODES}, got {flush!r}")
         if seeds is not None:
@@ -112,7 +118,7 @@ class DSPSimulator:
         self.stages = [
             StageCompute(
                 modules[k], optimizers[k], staleness[k], is_first=k == 0, is_last=k == num_stages - 1,
-                loss_fn=loss_fn, bn_policy=bn_policy, record_events=record_events,
+                loss_fn=loss_fn, bn_policy=bn_policy, recompute=recompute, record_events=record_events,
             )
             for k in range(num_stages)
         ]
@@ -226,6 +232,10 @@ class DSPSimulator:
                             self._rng_states[k] = capture_rng(self._devices)
                         if chooser is not None:
                             break
+        except BaseException:
+            for stage in self.stages:  # no recomputation thread outlives a failed run
+                stage.discard_prefetch()
+            raise
         finally:
             if caller_rng is not None:
                 set_rng(caller_rng, self._devices)
@@ -261,7 +271,7 @@ def simulate_dsp(
     """Train ``modules`` as a DSP pipeline on ``batches`` in one process; the last stage's losses.
 
     The arithmetic of ``K`` :class:`~tritonopt.dist.DSPStage` ranks, bit for bit
-    (see :class:`DSPSimulator`, whose keyword options ``bn_policy``, ``seeds``,
+    (see :class:`DSPSimulator`, whose keyword options ``bn_policy``, ``recompute``, ``seeds``,
     ``record_events`` and ``interleaving_seed`` this accepts). One epoch, drained
     at the end (``flush="epoch"``).
     """
