@@ -147,7 +147,7 @@ def _job(args):
     began = time.perf_counter()
     rows, state = train_run(sizes, staleness, lr, seed, first_epoch, last_epoch, state)
     for row in rows:
-        row.update(mode=mode, lr=lr, seed=seed, seconds=time.perf_counter() - began)
+        row.update(mode=mode, lr=lr, seed=seed, run_seconds=time.perf_counter() - began)
     return rows, state
 
 

@@ -70,7 +70,8 @@ def test_the_timing_claims_follow_their_rules():
     straggled["BP-K", 1.5] = [13.0, 9.5, 13.0]  # BP-K itself beat its clean pair once: no DSP claim decides
     straggled["DSP m=1", 1.5] = [10.5, 10.5, 10.5]
     summary = experiment.summarise(setup, _timing_runs(setup, epoch_seconds, straggled))
-    states = {"BP (1 process)": {"0.weight": torch.ones(2), "4.weight": torch.ones(3)}, "BP-K": {"0.weight": torch.ones(2)}}
+    states = {"BP (1 process)": {"0.weight": torch.ones(2), "4.weight": torch.ones(3)},
+              "BP-K": {"0.weight": torch.ones(2)}}
     per_rank = [{"states": states}, {"states": {"BP-K": {"4.weight": torch.ones(3)}}}]
     verdicts = {claim.text: claim.holds for claim in experiment.claims(setup, summary, per_rank)}
     assert len(verdicts) == 1 + len(setup.staleness) * len(setup.straggler_levels)
