@@ -52,6 +52,7 @@ from perf._dsp_setup import (
     gpipe_name,
     make_data,
     make_model,
+    mean_se,
     one_f_one_b_name,
     spread,
     stages_of,
@@ -345,7 +346,8 @@ def claims(setup: TimingSetup, summary: dict, per_rank: list[dict]) -> list[harn
         checks.append(harness.Claim(
             f"{dsp_name(m)} ({staleness_origin(m)}) has >= {SPEEDUP_CLAIM}x the throughput of BP-K",
             ratio["median"] >= SPEEDUP_CLAIM,
-            f"median of the paired epochs {ratio['median']:.2f}x, min {ratio['min']:.2f}x, max {ratio['max']:.2f}x"))
+            f"median of the paired epochs {ratio['median']:.2f}x, min {ratio['min']:.2f}x, max {ratio['max']:.2f}x, "
+            "mean +- SE {:.2f} +- {:.2f}x".format(*mean_se(ratio["ratios"]))))
     for m in setup.staleness:
         for level in setup.straggler_levels[1:]:
             checks.append(straggler_claim(setup, summary, m, level))
