@@ -74,7 +74,7 @@ def experiment_rows(report, *, ssd_acc=73.0, beta0_acc=73.0, plain_acc=72.0, ssd
 
 def summary_of(experiment, rows):
     report = perf_module("_ssd_sgd_report")
-    setup = experiment.Setup(delay_iterations=120)
+    setup = experiment.Setup(delay_iterations=120, seeds=tuple(sorted({r["seed"] for r in rows})))
     best = {m.name: report.best_lr(rows, m.name) for m in experiment.sweep_methods()}
     return report.summarize(rows, best, setup, d=76_810, extra=8, world=4, smoke=False, seconds=1.0,
                             command="python -m perf.ssd_sgd_experiment", sweep_order=list(best))
@@ -113,6 +113,14 @@ def test_glu_is_judged_not_worse_by_2_standard_errors_and_its_direction_reported
     _, claims = summary_of(experiment, experiment_rows(report, beta0_acc=74.0))
     beta0 = next(c for c in claims if "glu_beta=0" in c.text)
     assert not beta0.holds and beta0.detail.endswith("worse")
+
+
+def test_one_seed_decides_no_glu_claim():
+    experiment, report = perf_module("ssd_sgd_experiment"), perf_module("_ssd_sgd_report")
+    lines, claims = summary_of(experiment, experiment_rows(report, seeds=(0,)))
+    glu = [c for c in claims if c.text.startswith("GLU")]
+    assert len(glu) == 2 and not any(c.holds for c in glu) and all("one seed" in c.detail for c in glu)
+    assert any("Fewer than 3 seeds" in line for line in lines)
 
 
 def test_the_lr_rule_takes_the_highest_mean_the_smaller_on_a_tie_and_widens_at_the_edge():
