@@ -50,6 +50,7 @@ import torch  # noqa: E402
 
 import tritonopt  # noqa: E402
 from perf import _harness as bench  # noqa: E402
+from perf.bench_kfac import identity_factor  # noqa: E402
 
 NO_CUDA_MESSAGE = ("no CUDA device: nothing to autotune; running each workload once at shrunken shapes "
                    "to check them (times are not representative)")
@@ -58,11 +59,15 @@ SHRINK = 1000  # element counts are divided by this without a GPU or with --smok
 
 @dataclass(frozen=True)
 class Layer:
-    """A conv/linear layer as K-FAC sees it: ``a`` input features (bias included), ``g`` outputs, ``rows`` samples."""
+    """A conv/linear layer as K-FAC sees it: ``a`` input features (bias included), ``g`` outputs, ``rows`` samples.
+
+    With ``bias``, ``a`` counts the column of ones the factor update appends to the ``a - 1`` inputs.
+    """
 
     a: int
     g: int
     rows: int
+    bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,14 +90,14 @@ def _resnet18_layers(batch: int = 32) -> tuple[Layer, ...]:
         layers.append(Layer(channels * 9, channels, batch * side * side))
         if channels_in != channels:
             layers.append(Layer(channels_in, channels, batch * side * side))  # 1x1 downsample
-    layers.append(Layer(512 + 1, 1000, batch))  # fc with bias
+    layers.append(Layer(512 + 1, 1000, batch, bias=True))  # fc
     return tuple(layers)
 
 
 def _bert_base_layers(batch: int = 32, seq: int = 128) -> tuple[Layer, ...]:
     tokens = batch * seq
-    return (Layer(768 + 1, 768, tokens), Layer(768 + 1, 3 * 768, tokens),  # attention out, fused QKV
-            Layer(768 + 1, 3072, tokens), Layer(3072 + 1, 768, tokens))  # MLP
+    return (Layer(768 + 1, 768, tokens, bias=True), Layer(768 + 1, 3 * 768, tokens, bias=True),  # attention out, QKV
+            Layer(768 + 1, 3072, tokens, bias=True), Layer(3072 + 1, 768, tokens, bias=True))  # MLP
 
 
 MODELS = {
@@ -103,7 +108,7 @@ MODELS = {
 
 def shrink(model: ModelShapes) -> ModelShapes:
     """The same workloads at about a thousandth of the elements: for checking shapes without a GPU."""
-    layers = tuple(Layer(max(2, layer.a // 32), max(2, layer.g // 32), max(4, layer.rows // SHRINK))
+    layers = tuple(Layer(max(2, layer.a // 32), max(2, layer.g // 32), max(4, layer.rows // SHRINK), layer.bias)
                    for layer in model.layers)
     return ModelShapes(model.name, max(4096, model.num_params // SHRINK), tuple(dict.fromkeys(layers)),
                        ring_m=4, lanczos_m=8, fosi_rank=2, block_size=1024)
@@ -163,16 +168,18 @@ def workloads(model: ModelShapes, device: torch.device) -> list[Workload]:
 
     factor_shapes = set()
     for layer in dict.fromkeys(model.layers):  # each distinct shape once
-        for side, dim in (("A", layer.a), ("G", layer.g)):
-            if (layer.rows, dim) in factor_shapes:
+        for side, dim, bias in (("A", layer.a, layer.bias), ("G", layer.g, False)):
+            if (layer.rows, dim, bias) in factor_shapes:
                 continue
-            factor_shapes.add((layer.rows, dim))
+            factor_shapes.add((layer.rows, dim, bias))
 
-            def factor_update(dim=dim, rows=layer.rows):
-                factor, x = torch.eye(dim, device=device), randn(rows, dim)
-                return lambda: tritonopt.ops.kfac_factor_update(factor, x, 0.95)
+            # As the optimizer runs it: the factor in K-FAC's row-padded layout, the bias column appended.
+            def factor_update(dim=dim, rows=layer.rows, bias=bias):
+                factor, x = identity_factor(dim, device), randn(rows, dim - int(bias))
+                return lambda: tritonopt.ops.kfac_factor_update(factor, x, 0.95, append_bias=bias)
 
-            out.append(Workload("kfac_factor_update", {"factor": side, "rows": layer.rows, "dim": dim}, factor_update))
+            out.append(Workload("kfac_factor_update", {"factor": side, "rows": layer.rows, "dim": dim, "bias": bias},
+                                factor_update))
 
         def precondition(layer=layer):
             grad = randn(layer.g, layer.a)

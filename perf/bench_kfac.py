@@ -5,7 +5,10 @@ torch composite):
 
 * ``kfac_factor_update`` for ``x: [n, d]`` (bias column implicit, ``d + 1`` factor); the
   composite is ``torch.cat`` of the ones column, ``X.T @ X / n`` and ``lerp_`` into the
-  factor. Flop floor: the symmetric product, ``2 n (d+1)(d+2)/2`` flops.
+  factor. Flop floor: the symmetric product, ``2 n (d+1)(d+2)/2`` flops. The factor has the
+  layout K-FAC stores it in (:func:`~tritonopt.optim.kfac_functional.factor_buffer`: rows
+  padded to a multiple of 4 entries from 128 columns on), so an odd ``d + 1`` such as 769
+  is timed as the optimizer runs it.
 * ``eigenbasis_precondition`` for ``grad: [g, a]`` (precomputed reciprocal ``D``): four GEMM
   launches with the multiply fused, against four ``@`` and a multiply. Flop floor:
   ``4 g a (g + a)``.
@@ -45,17 +48,24 @@ from perf import _harness as harness
 from perf._models import small_resnet
 from tritonopt.kernels import kfac as kernels
 from tritonopt.optim import KFACPreconditioner
+from tritonopt.optim.kfac_functional import factor_buffer
 
 NAME = "kfac"
 DECAY = 0.95
-GPU_FACTOR_SHAPES = [(4096, 255), (8192, 1023), (16384, 2047), (8192, 4095), (25088, 4607)]
+# (8192, 768): a BERT-base Linear with its bias column, 769 wide, whose factor rows are padded.
+GPU_FACTOR_SHAPES = [(4096, 255), (8192, 768), (8192, 1023), (16384, 2047), (8192, 4095), (25088, 4607)]
 GPU_PRECOND_SHAPES = [(256, 257), (1024, 1025), (4096, 4097), (512, 2049), (2048, 513), (1024, 4608)]
-CPU_FACTOR_SHAPES = [(1024, 255), (2048, 511)]
+CPU_FACTOR_SHAPES = [(1024, 255), (1024, 256), (2048, 511)]
 CPU_PRECOND_SHAPES = [(256, 257), (128, 513)]
 SMOKE_FACTOR_SHAPES = [(64, 31)]
 SMOKE_PRECOND_SHAPES = [(32, 33)]
 # train_step: (batch, image side, width, timed steps)
 GPU_STEP, CPU_STEP, SMOKE_STEP = (128, 32, 64, 20), (16, 16, 8, 10), (4, 8, 4, 2)
+
+
+def identity_factor(dim: int, device) -> torch.Tensor:
+    """The ``[dim, dim]`` identity in the layout K-FAC stores its factors in (rows padded from 128 columns on)."""
+    return factor_buffer(dim, device=device).copy_(torch.eye(dim, device=device))
 
 
 def factor_composite(factor, x, decay):
@@ -72,7 +82,7 @@ def factor_case(n, d, device, precision) -> harness.Case:
 
     def provider(update):
         def build():
-            factor = torch.eye(d + 1, device=device)
+            factor = identity_factor(d + 1, device)
             return lambda: update(factor)
 
         return build
