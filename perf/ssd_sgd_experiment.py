@@ -11,9 +11,9 @@ checks those claims on 4 gloo processes on the CPU.
   20,000 for training in 4 shards, 4,000 for testing), an MLP 32-256-256-10 (d = 76,810),
   batch 32 per rank, cross-entropy, momentum 0.9, weight decay 1e-4.
 * Schedule: 101 warm-up iterations of synchronous momentum SGD for every method (``wp =
-  100``: shorter than the paper's 500, which is under 1 % of its runs; here 500 would leave
-  the methods different in fewer than 2/3 of 1,221 iterations), then 720 delay-stage
-  iterations, a multiple of every ``k`` so the global model is exact at the end.
+  100``: shorter than the paper's 500, which is under 1 % of its runs; here 500 would be
+  41 % of a 1,221-iteration run), then 720 delay-stage iterations, a multiple of every ``k``
+  so the global model is exact at the end.
 * Methods (``perf._ssd_sgd_train``): SSGD (SSDSGD that never leaves the warm-up), torch's
   post-local SGD (``PostLocalSGDOptimizer`` over momentum SGD, ``PeriodicModelAverager`` of
   period 5), DDP with torch's ``powerSGD_hook`` (rank 4) and with this library's
