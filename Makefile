@@ -82,6 +82,7 @@ bench: install
 	$(PY) -m perf.bench_ssd_sgd
 	$(PY) -m perf.bench_optimizer_step
 	$(PY) -m perf.bench_sharded
+	$(PY) -m perf.bench_dsp_recompute
 
 # The authors' implementations that perf.bench_anchors compares with (not dependencies of
 # tritonopt): checkouts at the commits the README's figures were measured with, in

@@ -19,6 +19,7 @@ SMOKE_OUTPUTS = {
     "autotune": ["autotune_resnet18.csv", "autotune_resnet18.json"],
     "bench_ef_topk": ["ef_topk.csv"],
     "bench_anchors": [],  # anchors.csv only where the authors' checkouts are (make anchors)
+    "bench_dsp_recompute": ["dsp_recompute.csv"],
     "bench_kfac": ["kfac.csv"],
     "bench_lanczos": ["lanczos.csv"],
     "bench_lowrank": ["lowrank.csv"],
