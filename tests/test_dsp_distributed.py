@@ -15,6 +15,7 @@ import io
 import os
 import queue
 import random
+import threading
 import time
 import traceback
 
@@ -137,6 +138,13 @@ def two_rank_scenarios(rank, groups):
         rank, make_cnn, CNN_BOUNDARIES, batches, (2, 0), group=pair, bn_policy="recompute"
     )
     out["streaming"] = train_stage(rank, make_cnn, CNN_BOUNDARIES, batches, (2, 0), group=pair, flush="never")
+    out["overlap"] = train_stage(
+        rank, make_cnn, CNN_BOUNDARIES, batches, (2, 0), group=pair, hook=straggler_hook(rank), recompute="overlap"
+    )
+    out["overlap_streaming"] = train_stage(
+        rank, make_cnn, CNN_BOUNDARIES, batches, (2, 0), group=pair, flush="never", bn_policy="recompute",
+        recompute="overlap",
+    )
 
     # Two streaming pipelines on the same ranks take turns: each keeps its own messages.
     streams = [(mlp_batches(seed=3), (2, 0)), (mlp_batches(seed=4), (1, 0))]
@@ -163,6 +171,7 @@ def two_rank_scenarios(rank, groups):
     out["last_stale"] = expect_error(lambda: build([2, 1][rank]))
     out["bad_policy"] = expect_error(lambda: build([1, 0][rank], bn_policy=["forward", "sometimes"][rank]))
     out["flush_mismatch"] = expect_error(lambda: build([1, 0][rank], flush=["epoch", "never"][rank]))
+    out["bad_recompute"] = expect_error(lambda: build([1, 0][rank], recompute=["overlap", "eager"][rank]))
     before = stage_state(module)
     out["count_mismatch"] = expect_error(lambda: build([1, 0][rank]).train(batches[: [10, 9][rank]]))
     other = module if rank == 0 else nn.Sequential(nn.Flatten(), nn.Linear(100, 5))  # wrong input size
@@ -184,9 +193,10 @@ def two_rank_scenarios(rank, groups):
     began = time.monotonic()
     out["stall"] = expect_error(
         lambda: DSPStage(module, make_optimizer(module), staleness=[1, 0][rank], loss_fn=loss, group=groups["stall"],
-                         timeout=1, phase_hook=stall).train(batches)
+                         timeout=1, phase_hook=stall, recompute="overlap").train(batches)
     )
     out["stall_seconds"] = time.monotonic() - began
+    out["recompute_threads_left"] = [t.name for t in threading.enumerate() if "dsp-recompute" in t.name]
     return out
 
 
@@ -331,6 +341,18 @@ def test_recompute_policy_and_streaming_equal_the_simulator(two_ranks):
     assert not all(torch.equal(a, b) for a, b in zip(out["recompute_policy"]["state"], out[(2, 0)]["state"]))
 
 
+def test_overlapped_recompute_equals_the_serial_ranks_and_the_simulator(two_ranks):
+    ranks, _, _ = two_ranks
+    _, streaming_states, _ = simulate(make_cnn, CNN_BOUNDARIES, cnn_batches(), (2, 0), streaming=True,
+                                      bn_policy="recompute")
+    for out in ranks:
+        assert_equal_states(out["overlap"]["state"], out[(2, 0)]["state"])
+        assert out["overlap"]["events"] == out[(2, 0)]["events"]
+    assert torch.equal(ranks[1]["overlap"]["losses"], ranks[1][(2, 0)]["losses"])
+    for rank in range(2):
+        assert_equal_states(ranks[rank]["overlap_streaming"]["state"], streaming_states[rank])
+
+
 def test_streaming_pipelines_on_the_same_ranks_keep_their_messages_apart(two_ranks):
     ranks, _, _ = two_ranks
     for index, (seed, staleness) in enumerate([(3, (2, 0)), (4, (1, 0))]):
@@ -377,6 +399,8 @@ def test_start_up_errors_are_raised_on_every_rank(two_ranks):
     assert out["bad_policy"][0] == "DSPConfigurationError" and "stage 1" in out["bad_policy"][1]
     assert "bn_policy" in out["bad_policy"][1]
     assert out["flush_mismatch"][0] == "ValueError" and "flush" in out["flush_mismatch"][1]
+    assert out["bad_recompute"][0] == "DSPConfigurationError" and "recompute must be one of" in out["bad_recompute"][1]
+    assert last["bad_recompute"][0] == "ValueError" and "'eager'" in last["bad_recompute"][1]
     assert out["count_mismatch"][0] == "ValueError"
     assert "stage 0: 10, stage 1: 9" in out["count_mismatch"][1]
     assert out["shape_mismatch"][0] == "DSPConfigurationError" and "stage 1" in out["shape_mismatch"][1]
@@ -395,6 +419,7 @@ def test_a_stalled_stage_raises_within_the_timeout(two_ranks):
     assert "batch" in out["stall"][1]
     assert 1.0 < out["stall_seconds"] < 1.0 + 10.0  # the 1 s timeout, plus start-up and scheduling
     assert last["stall"][0] == "DSPPeerError", last["stall"]  # after waking, it times out waiting for rank 0
+    assert out["recompute_threads_left"] == [], "a failed run left its recomputation thread running"
 
 
 def test_a_dead_stage_raises_instead_of_hanging(two_ranks):
@@ -418,6 +443,8 @@ def four_rank_scenarios(rank, group):
     out["mlp_stragglers"] = train_stage(
         rank, make_mlp, MLP_BOUNDARIES, batches, (6, 4, 2, 0), group=group, hook=straggler_hook(rank)
     )
+    out["mlp_overlap"] = train_stage(rank, make_mlp, MLP_BOUNDARIES, batches, (6, 4, 2, 0), group=group,
+                                     recompute="overlap")
     return out
 
 
@@ -436,3 +463,4 @@ def test_four_ranks_with_stragglers_equal_the_simulator(four_ranks):
     _, states, _ = simulate(make_mlp, MLP_BOUNDARIES, mlp_batches(), (6, 4, 2, 0))
     for rank in range(4):
         assert_equal_states(four_ranks[rank]["mlp_stragglers"]["state"], states[rank])
+        assert_equal_states(four_ranks[rank]["mlp_overlap"]["state"], states[rank])

@@ -45,7 +45,8 @@ at once, by the closed connection). Configuration errors found at start-up are
 raised on every rank at once, the others naming the refusing rank.
 
 NVTX ranges: ``tritonopt/dsp/forward``, ``/backward`` and ``/forward_backward`` per
-compute phase (``/recompute``, ``/autograd`` and ``/update`` inside), ``/send``,
+compute phase (``/recompute``, ``/autograd`` and ``/update`` inside; with
+``recompute="overlap"``, ``/recompute`` in the worker and ``/wait_recompute`` for it), ``/send``,
 ``/wait_activation`` and ``/wait_gradient``.
 
 Memory per rank (spec sec. 2.6; :meth:`DSPStage.memory_report`): one copy of the
