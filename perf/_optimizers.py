@@ -8,6 +8,8 @@ the optimizer's share of a training step.
 
 The hyperparameters are those the digits experiments tuned (``perf/efcp_experiment.py``,
 ``perf/kfac_experiment.py``, ``perf/fosi_experiment.py``); the demo uses the same builders.
+The SGD and M-FAC-family builders take a keyword-only ``lr`` (default: the one below), so that
+an experiment can sweep it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ MFAC_HYPER = dict(lr=0.01, ngrads=128, damp=0.03)
 SPARSE_BLOCK = 4096
 LOWRANK_HYPER = dict(lr=0.01, ngrads=128, damp=0.03, rank=4)
 SGD_MOMENTUM = 0.9
+SGD_LR = 0.05
 # K-FAC on the digits classifier (damping 0.3: with 0.003 it reaches low losses early, then
 # diverges; with a mean-reduced loss G is tiny, so the step is close to grad / damping).
 KFAC_SETTINGS = dict(factor_update_steps=1, inv_update_steps=5, damping=0.3, factor_decay=0.95, kl_clip=1e-3)
@@ -158,9 +161,9 @@ def fosi_hyperparameters(steps_per_epoch: int, *, lr: float = 1e-3, k: int = 10,
 # --------------------------------------------------------------------------- builders
 
 
-def build_sgd(model: torch.nn.Module, steps_per_epoch: int) -> OptimizerStep:
-    """SGD, lr 0.05, momentum 0.9."""
-    return OptimizerStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=SGD_MOMENTUM))
+def build_sgd(model: torch.nn.Module, steps_per_epoch: int, *, lr: float = SGD_LR) -> OptimizerStep:
+    """SGD, lr 0.05 unless given, momentum 0.9."""
+    return OptimizerStep(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=SGD_MOMENTUM))
 
 
 def build_adam(model: torch.nn.Module, steps_per_epoch: int) -> OptimizerStep:
@@ -173,36 +176,39 @@ def build_sparse_adagrad(model: torch.nn.Module, steps_per_epoch: int) -> Optimi
     return OptimizerStep(model, SparseAdaGrad(model.parameters(), lr=0.05, density=0.01, block_size=4096))
 
 
-def build_mfac(model: torch.nn.Module, steps_per_epoch: int) -> OptimizerStep:
-    """Dense M-FAC, window 128, damp 0.03, lr 0.01."""
-    return OptimizerStep(model, MFAC(model.parameters(), **MFAC_HYPER))
+def build_mfac(model: torch.nn.Module, steps_per_epoch: int, *, lr: float = MFAC_HYPER["lr"]) -> OptimizerStep:
+    """Dense M-FAC, window 128, damp 0.03, lr 0.01 unless given."""
+    return OptimizerStep(model, MFAC(model.parameters(), **{**MFAC_HYPER, "lr": lr}))
 
 
 def build_sparse_mfac(
     model: torch.nn.Module, steps_per_epoch: int, *, density: float = 0.01,
-    error_feedback: bool = True,
+    error_feedback: bool = True, lr: float = MFAC_HYPER["lr"],
 ) -> OptimizerStep:
-    """S-MFAC at 1 % density (blocks of 4096), error feedback, same m / damp / lr as M-FAC."""
+    """S-MFAC at 1 % density (blocks of 4096), error feedback, same m / damp / lr as M-FAC unless given."""
     optimizer = SparseMFAC(
         model.parameters(), density=density, block_size=SPARSE_BLOCK,
-        error_feedback=error_feedback, **MFAC_HYPER,
+        error_feedback=error_feedback, **{**MFAC_HYPER, "lr": lr},
     )
     return OptimizerStep(model, optimizer)
 
 
-def build_sparse_mfac_no_ef(model: torch.nn.Module, steps_per_epoch: int) -> OptimizerStep:
+def build_sparse_mfac_no_ef(model: torch.nn.Module, steps_per_epoch: int, *,
+                            lr: float = MFAC_HYPER["lr"]) -> OptimizerStep:
     """S-MFAC at 1 % without error feedback."""
-    return build_sparse_mfac(model, steps_per_epoch, error_feedback=False)
+    return build_sparse_mfac(model, steps_per_epoch, error_feedback=False, lr=lr)
 
 
-def build_sparse_mfac_01(model: torch.nn.Module, steps_per_epoch: int) -> OptimizerStep:
+def build_sparse_mfac_01(model: torch.nn.Module, steps_per_epoch: int, *,
+                         lr: float = MFAC_HYPER["lr"]) -> OptimizerStep:
     """S-MFAC at 0.1 %, error feedback."""
-    return build_sparse_mfac(model, steps_per_epoch, density=0.001)
+    return build_sparse_mfac(model, steps_per_epoch, density=0.001, lr=lr)
 
 
-def build_lowrank_mfac(model: torch.nn.Module, steps_per_epoch: int) -> OptimizerStep:
-    """LR-MFAC: rank-4 power-iteration compression with error feedback, same m / damp / lr."""
-    return OptimizerStep(model, LowRankMFAC(model.parameters(), **LOWRANK_HYPER))
+def build_lowrank_mfac(model: torch.nn.Module, steps_per_epoch: int, *,
+                       lr: float = LOWRANK_HYPER["lr"]) -> OptimizerStep:
+    """LR-MFAC: rank-4 power-iteration compression with error feedback, same m / damp / lr unless given."""
+    return OptimizerStep(model, LowRankMFAC(model.parameters(), **{**LOWRANK_HYPER, "lr": lr}))
 
 
 def build_kfac(model: torch.nn.Module, steps_per_epoch: int) -> KFACStep:

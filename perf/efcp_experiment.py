@@ -3,28 +3,35 @@
 Protocol: scikit-learn's digits (fixed permutation, 1437 train / 360 test, features
 standardised with the training statistics), an MLP 64-256-256-10 with ReLU and cross-entropy
 (d = 85,002), batch 32 (45 steps per epoch), constant learning rate, no weight decay,
-10 epochs, seeds 0 and 1.
+10 epochs, seeds 0, 1 and 2.
 
-Optimizers (``perf/_optimizers.py``): SGD (lr 0.05, momentum 0.9); dense M-FAC (m = 128,
-damp 0.03, lr 0.01); S-MFAC with the same m, damp and lr at 1 % density (blocks of 4096, 41
-kept per block) with and without error feedback, and at 0.1 %; LR-MFAC (rank 4).
+Optimizers (``perf/_optimizers.py``): SGD (momentum 0.9); dense M-FAC (m = 128, damp 0.03);
+S-MFAC with the same m and damp at 1 % density (blocks of 4096, 41 kept per block) with and
+without error feedback, and at 0.1 %; LR-MFAC (rank 4). Each runs every learning rate of its
+grid (``LR_GRIDS``) on every seed: one sweep, and every figure comes from it. The rule, fixed
+here before any result: each optimizer's best learning rate is the one of lowest mean final
+train loss over the seeds (a non-finite loss counts as infinite; the smaller lr on a tie). A
+best lr on the edge of its grid is flagged in the summary.
 
-Reported per optimizer: final train loss (full training set, after the last step), test
-accuracy, optimizer-state bytes and ms per step (mean over seeds), and a plot of the
-per-epoch mean training loss. The claims checked (exit status 1 if one fails):
+Reported per optimizer at its best lr: final train loss (full training set, after the last
+step) and test accuracy as mean +- standard error over the seeds (SE = sample std / sqrt(n)),
+optimizer-state bytes and ms per step (means), the whole sweep, and a plot of the per-epoch
+mean training loss. The claims checked (exit status 1 if one fails), each optimizer at its
+own best lr, on means over the seeds:
 
-* S-MFAC 1 % + EF: final train loss within 2x of dense M-FAC's and test accuracy within
-  1 point (means over seeds);
-* S-MFAC 1 % without EF: a clearly higher final train loss than with EF;
+* S-MFAC 1 % + EF: final train loss within 2x of dense M-FAC's;
+* S-MFAC 1 % + EF: test accuracy within 1 point of dense M-FAC's, above or below (two-sided);
+* S-MFAC 1 % without EF: a clearly higher final train loss than with EF (by more than 2 SE of
+  the difference);
 * S-MFAC's state at least 30x smaller than dense M-FAC's (the one a smoke run checks).
 
 A full run also measures S-MFAC's state at ResNet-18 size (d = 11,689,512, m = 1024, 1 %,
 blocks of 16384) after one step on random gradients, next to the dense window's size
 (``efcp_resnet18_state.md``; about 1 GB of memory).
 
-Run from the repository root (about a minute on 2 CPU cores)::
+Run from the repository root (about 8 minutes on 2 idle CPU cores)::
 
-    python -m perf.efcp_experiment [--epochs 10] [--seeds 0 1] [--out perf/results/efcp]
+    python -m perf.efcp_experiment [--epochs 10] [--seeds 0 1 2] [--out perf/results/efcp]
     python -m perf.efcp_experiment --smoke     # seconds: checks the plumbing
 """
 
@@ -35,6 +42,8 @@ if __name__ == "__main__" and not __package__:  # python perf/efcp_experiment.py
 
     _as_module.run(__file__)
 
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -48,7 +57,11 @@ from perf._digits import load_digits_split, make_mlp, steps_per_epoch, train
 NAME = "efcp"
 DEFAULT_OUT = harness.RESULTS_DIR / NAME
 STATE_RATIO = 30  # S-MFAC's state at least this many times smaller than dense M-FAC's
+LOSS_RATIO = 2  # S-MFAC 1 % + EF's final train loss at most this many times dense M-FAC's
+PARITY_POINTS = 1.0  # |S-MFAC 1 % + EF's test accuracy - dense M-FAC's|, in points
+CLEARLY_SE = 2  # "clearly higher": the difference of the means exceeds this many of its SEs
 SMOKE_STEPS = 5
+DEFAULT_SEEDS = (0, 1, 2)
 
 RUNS = {
     "SGD": optimizers.build_sgd,
@@ -58,96 +71,170 @@ RUNS = {
     "S-MFAC 0.1% EF": optimizers.build_sparse_mfac_01,
     "LR-MFAC r4": optimizers.build_lowrank_mfac,
 }
+MFAC_LRS = (0.003, 0.01, 0.03, 0.1)
+# The learning rates each optimizer runs: one sweep, in this script, on every seed. Each grid reaches a
+# factor of 2 to 3 beyond the lr the earlier single-lr runs used, on both sides.
+LR_GRIDS = {name: MFAC_LRS for name in RUNS} | {"SGD": (0.02, 0.05, 0.1, 0.2)}
 
 
 # --------------------------------------------------------------------------- training
 
 
-def train_one(name, build, data, seed, epochs, max_steps=None, progress=None) -> dict:
+def train_one(name, lr, data, seed, epochs, max_steps=None, progress=None) -> dict:
     model = make_mlp(seed)
-    step = build(model, steps_per_epoch(data))
+    step = RUNS[name](model, steps_per_epoch(data), lr=lr)
     run = train(model, step, data, seed=seed, epochs=epochs, max_steps=max_steps,
                 on_step=progress.update if progress is not None else (lambda: None))
     return {
-        "optimizer": name, "seed": seed, "final_train_loss": run.train_losses[-1],
+        "optimizer": name, "lr": lr, "seed": seed, "final_train_loss": run.train_losses[-1],
         "test_accuracy": run.test_accuracies[-1] * 100, "state_bytes": step.state_bytes(),
         "ms_per_step": run.ms_per_step, "epoch_losses": run.mean_batch_losses,
     }
 
 
+# --------------------------------------------------------------------------- statistics
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n)); the SE is NaN for one value."""
+    values = np.asarray([float(v) for v in values])
+    if values.size == 0:
+        raise ValueError("mean_se needs at least one value")
+    # numpy, not statistics: a diverged run's NaN or inf must give a NaN figure, not an exception.
+    with np.errstate(invalid="ignore"):
+        se = float(values.std(ddof=1) / math.sqrt(values.size)) if values.size > 1 else float("nan")
+    return float(values.mean()), se
+
+
+def pm(mean: float, se: float, digits: int = 4) -> str:
+    return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def difference(a, b) -> tuple[float, float]:
+    """Mean of ``a`` minus mean of ``b``, and the SE of that difference (independent seeds' runs)."""
+    (mean_a, se_a), (mean_b, se_b) = mean_se(a), mean_se(b)
+    return mean_a - mean_b, math.hypot(se_a, se_b)
+
+
+def runs_of(rows, name: str, lr: float | None = None) -> list[dict]:
+    return [r for r in rows if r["optimizer"] == name and (lr is None or r["lr"] == lr)]
+
+
+def best_lr(rows, name: str) -> float:
+    """The rule: the lr of lowest mean final train loss over the seeds; non-finite counts as
+    infinite, and the smaller lr wins a tie."""
+    lrs = sorted({r["lr"] for r in runs_of(rows, name)})
+    if not lrs:
+        raise ValueError(f"no runs of {name!r} to choose a learning rate from")
+
+    def mean_loss(lr):
+        losses = [r["final_train_loss"] for r in runs_of(rows, name, lr)]
+        return statistics.fmean(losses) if all(math.isfinite(v) for v in losses) else math.inf
+
+    return min(lrs, key=lambda lr: (mean_loss(lr), lr))
+
+
 # --------------------------------------------------------------------------- reporting
 
 
-def summarise(rows):
-    names = list(dict.fromkeys(r["optimizer"] for r in rows))
+def summarise(rows) -> dict:
+    """Per optimizer, its best lr by :func:`best_lr` and its figures there; ``sweep``: every lr's."""
     summary = {}
-    for name in names:
-        runs = [r for r in rows if r["optimizer"] == name]
+    for name in dict.fromkeys(r["optimizer"] for r in rows):
+        lr = best_lr(rows, name)
+        grid = sorted({r["lr"] for r in runs_of(rows, name)})
+        runs = runs_of(rows, name, lr)
         summary[name] = {
-            key: float(np.mean([r[key] for r in runs]))
-            for key in ("final_train_loss", "test_accuracy", "state_bytes", "ms_per_step")
+            "lr": lr, "on_edge": len(grid) > 1 and lr in (grid[0], grid[-1]),
+            "loss": mean_se(r["final_train_loss"] for r in runs),
+            "accuracy": mean_se(r["test_accuracy"] for r in runs),
+            "per_seed_loss": [r["final_train_loss"] for r in runs],
+            "per_seed_acc": [r["test_accuracy"] for r in runs],
+            "state_bytes": float(np.mean([r["state_bytes"] for r in runs])),
+            "ms_per_step": float(np.mean([r["ms_per_step"] for r in runs])),
+            "curve": np.mean([r["epoch_losses"] for r in runs], axis=0).tolist(),
+            "sweep": [(g, mean_se(r["final_train_loss"] for r in runs_of(rows, name, g)),
+                       mean_se(r["test_accuracy"] for r in runs_of(rows, name, g))) for g in grid],
         }
-        summary[name]["per_seed_loss"] = [r["final_train_loss"] for r in runs]
-        summary[name]["per_seed_acc"] = [r["test_accuracy"] for r in runs]
-        summary[name]["curve"] = np.mean([r["epoch_losses"] for r in runs], axis=0).tolist()
     return summary
 
 
-def claims(summary) -> list[harness.Claim]:
+def claims(summary, rows) -> list[harness.Claim]:
+    """The claims, each optimizer at its own best lr (``summary``), judged on means over the seeds."""
     dense, sparse = summary.get("D-MFAC"), summary.get("S-MFAC 1% EF")
     plain = summary.get("S-MFAC 1% no EF")
     if not (dense and sparse and plain):
         return []
+
+    def at_best(name, key):
+        return [r[key] for r in runs_of(rows, name, summary[name]["lr"])]
+
+    loss_ratio = sparse["loss"][0] / dense["loss"][0]
+    gap, gap_se = difference(at_best("S-MFAC 1% EF", "test_accuracy"), at_best("D-MFAC", "test_accuracy"))
+    no_ef, no_ef_se = difference(at_best("S-MFAC 1% no EF", "final_train_loss"),
+                                 at_best("S-MFAC 1% EF", "final_train_loss"))
     return [
-        harness.Claim("S-MFAC 1% EF loss within 2x of D-MFAC",
-                      sparse["final_train_loss"] <= 2 * dense["final_train_loss"],
-                      f"{sparse['final_train_loss']:.4f} vs {dense['final_train_loss']:.4f}"),
-        harness.Claim("S-MFAC 1% EF accuracy within 1 pt of D-MFAC",
-                      abs(sparse["test_accuracy"] - dense["test_accuracy"]) <= 1.0,
-                      f"{sparse['test_accuracy']:.2f} vs {dense['test_accuracy']:.2f}"),
-        harness.Claim("no EF ends with a higher loss than EF",
-                      plain["final_train_loss"] > sparse["final_train_loss"],
-                      f"{plain['final_train_loss']:.4f} vs {sparse['final_train_loss']:.4f}"),
+        harness.Claim(f"S-MFAC 1% EF loss within {LOSS_RATIO}x of D-MFAC",
+                      sparse["loss"][0] <= LOSS_RATIO * dense["loss"][0],
+                      f"{pm(*sparse['loss'])} vs {pm(*dense['loss'])}: {loss_ratio:.2f}x"),
+        harness.Claim(f"S-MFAC 1% EF accuracy within {PARITY_POINTS:g} pt of D-MFAC (above or below)",
+                      abs(gap) <= PARITY_POINTS,
+                      f"{pm(*sparse['accuracy'], 2)} vs {pm(*dense['accuracy'], 2)}: "
+                      f"difference {pm(gap, gap_se, 2)} points"),
+        harness.Claim(f"no EF ends with a higher loss than EF, by more than {CLEARLY_SE} SE",
+                      not math.isnan(no_ef_se) and no_ef > CLEARLY_SE * no_ef_se,
+                      f"{pm(*plain['loss'])} vs {pm(*sparse['loss'])}: difference {pm(no_ef, no_ef_se)}"),
         harness.Claim(f"S-MFAC state >= {STATE_RATIO}x smaller than D-MFAC",
                       dense["state_bytes"] >= STATE_RATIO * sparse["state_bytes"],
                       f"{dense['state_bytes'] / sparse['state_bytes']:.1f}x", smoke_scale=True),
     ]
 
 
-def write_outputs(rows, summary, checks, out_dir: Path, args) -> None:
-    csv_rows = [{k: v for k, v in r.items() if k != "epoch_losses"} for r in rows]
-    csv_path = harness.write_results(csv_rows, out_dir, NAME)
-    headers = ["optimizer", "final train loss (mean)", "per seed", "test acc % (mean)",
-               "state MiB", "ms/step"]
-    table_rows = [
-        [name, s["final_train_loss"], " / ".join(f"{v:.4f}" for v in s["per_seed_loss"]),
-         s["test_accuracy"], s["state_bytes"] / 2**20, s["ms_per_step"]]
-        for name, s in summary.items()
-    ]
-    print(harness.format_table(headers, table_rows))
+def summary_lines(summary, checks, args) -> list[str]:
     command = "python -m perf.efcp_experiment" + (
         " --smoke" if args.smoke else f" --epochs {args.epochs} --seeds {' '.join(map(str, args.seeds))}")
+    seeds = len(args.seeds)
     lines = [
         "# EFCP on the digits MLP (64-256-256-10, d = 85,002)",
         "",
         f"Command: `{command}`; device: {harness.device_name()}, "
         f"torch {torch.__version__}. M-FAC family: m = {optimizers.MFAC_HYPER['ngrads']}, damp = "
-        f"{optimizers.MFAC_HYPER['damp']}, lr = {optimizers.MFAC_HYPER['lr']}; S-MFAC blocks of "
-        f"{optimizers.SPARSE_BLOCK}; SGD lr 0.05, momentum 0.9. Means over seeds.",
+        f"{optimizers.MFAC_HYPER['damp']}; S-MFAC blocks of {optimizers.SPARSE_BLOCK}; SGD momentum "
+        f"{optimizers.SGD_MOMENTUM}. Each optimizer at its own best lr: the lowest mean final train loss "
+        f"over the {seeds} seed(s) in the sweep below. Mean ± standard error over the seeds.",
         "",
-        "| optimizer | final train loss (mean) | per seed | test acc % (mean) | state MiB | ms/step |",
-        "|---|---|---|---|---|---|",
+        "| optimizer | best lr | final train loss | per seed | test acc % | state MiB | ms/step |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for row in table_rows:
+    for name, s in summary.items():
+        edge = " (grid edge)" if s["on_edge"] else ""
         lines.append(
-            f"| {row[0]} | {row[1]:.4f} | {row[2]} | {row[3]:.2f} | {row[4]:.3f} | {row[5]:.1f} |"
-        )
+            f"| {name} | {s['lr']:g}{edge} | {pm(*s['loss'])} | "
+            f"{' / '.join(f'{v:.4f}' for v in s['per_seed_loss'])} | {pm(*s['accuracy'], 2)} | "
+            f"{s['state_bytes'] / 2**20:.3f} | {s['ms_per_step']:.1f} |")
+    lines += ["", "The sweep (every configuration run, mean ± SE over the seeds; * = chosen):", "",
+              "| optimizer | lr | final train loss | test acc % |", "|---|---|---|---|"]
+    for name, s in summary.items():
+        for lr, loss, accuracy in s["sweep"]:
+            mark = " *" if lr == s["lr"] else ""
+            lines.append(f"| {name} | {lr:g}{mark} | {pm(*loss)} | {pm(*accuracy, 2)} |")
+    edges = [name for name, s in summary.items() if s["on_edge"]]
+    if edges:
+        lines += ["", f"Best lr on the edge of its grid: {', '.join(edges)}."]
     if checks:
         lines += ["", "Claim checks:", ""]
         for claim in checks:
             verdict = "not checked (smoke run)" if args.smoke and not claim.smoke_scale else (
                 "PASS" if claim.holds else "FAIL")
             lines.append(f"- {verdict}: {claim.text} ({claim.detail})")
+    return lines
+
+
+def write_outputs(rows, summary, checks, out_dir: Path, args) -> None:
+    csv_rows = [{k: v for k, v in r.items() if k != "epoch_losses"} for r in rows]
+    csv_path = harness.write_results(csv_rows, out_dir, NAME)
+    lines = summary_lines(summary, checks, args)
+    print("\n".join(lines))
     (out_dir / "efcp_summary.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {csv_path} and {out_dir / 'efcp_summary.md'}")
     try:
@@ -157,11 +244,11 @@ def write_outputs(rows, summary, checks, out_dir: Path, args) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, s in summary.items():
-        ax.plot(range(1, len(s["curve"]) + 1), s["curve"], marker="o", label=name)
+        ax.plot(range(1, len(s["curve"]) + 1), s["curve"], marker="o", label=f"{name} (lr {s['lr']:g})")
     ax.set_yscale("log")
     ax.set_xlabel("epoch")
-    ax.set_ylabel("mean training loss over the epoch")
-    ax.set_title("EFCP on digits MLP: S-MFAC (99% sparse) vs dense M-FAC")
+    ax.set_ylabel("mean training loss over the epoch (mean over seeds)")
+    ax.set_title("EFCP on digits MLP: S-MFAC (99% sparse) vs dense M-FAC, each at its best lr")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -203,10 +290,15 @@ def parse_args(argv):
         "(only the state-size claim is checked)",
     )
     parser.add_argument("--epochs", type=harness.positive_int, default=10, help="(default: %(default)s)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="(default: %(default)s)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="(default: %(default)s)")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="RUN",
                         help="optimizers to run (default: all of %(choices)s)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds must be distinct, got {args.seeds}")
+    if len(set(args.runs)) != len(args.runs):
+        parser.error(f"--runs must be distinct, got {args.runs}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -219,14 +311,15 @@ def main(argv=None) -> int:
     out_dir = harness.output_dir(args.out, DEFAULT_OUT, smoke=args.smoke, name=NAME)
     data = load_digits_split()
     rows = []
-    jobs = [(name, seed) for name in args.runs for seed in args.seeds]
+    # The whole sweep: every optimizer at every lr of its grid on every seed; the best lrs are chosen after it.
+    jobs = [(name, lr, seed) for name in args.runs for lr in LR_GRIDS[name] for seed in args.seeds]
     per_run = min(max_steps or 10**9, args.epochs * steps_per_epoch(data))
     with harness.progress(len(jobs) * per_run, "runs") as bar:
-        for name, seed in jobs:
-            bar.set_description(f"{name}, seed {seed}")
-            rows.append(train_one(name, RUNS[name], data, seed, args.epochs, max_steps, bar))
+        for name, lr, seed in jobs:
+            bar.set_description(f"{name}, lr {lr:g}, seed {seed}")
+            rows.append(train_one(name, lr, data, seed, args.epochs, max_steps, bar))
     summary = summarise(rows)
-    checks = claims(summary)
+    checks = claims(summary, rows)
     write_outputs(rows, summary, checks, out_dir, args)
     if not args.smoke:
         resnet18_state(out_dir)
