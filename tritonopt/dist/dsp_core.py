@@ -37,21 +37,9 @@ the forward and keeps the recomputation's update (at the backward-time
 weights). Both recompute in the module's current mode (training mode: batch
 statistics of the stored input).
 
-Overlapped recompute (paper sec. 3.3; ``recompute="overlap"``). Between the forward of
-batch ``t`` and the backward that follows it (of ``t - m_k``) the stage takes no step,
-so the recomputation of ``t - m_k`` can run while ``t`` is forwarded: on the CPU in a
-worker thread, on CUDA on a side stream. The results are the serial ones, bit for
-bit: the recomputation runs on a *shadow* of the block (the same parameters and
-hooks, its own copies of the buffers, taken before the forward of ``t``), draws its
-random numbers from a private generator started at the stored RNG state (a
-dispatch mode in the worker hands it to every RNG op; on CUDA the host replays the
-state as the serial path does), and builds its graph in the caller's grad mode and
-autocast state. Under ``bn_policy="recompute"`` the shadow's buffers are copied
-into the block afterwards; under ``"forward"`` they are dropped. A recomputation
-that would not equal the serial one runs serially instead: when the forward of
-``t`` changed a buffer the recomputation reads (any buffer other than the running
-statistics of a normalisation layer in training mode, which it only writes), when
-the parameters changed in between, or when an RNG op offers no generator argument.
+Overlapped recompute (paper sec. 3.3; ``recompute="overlap"``): the recomputation of
+``t - m_k`` runs beside the forward of ``t``, with the serial results bit for bit, or runs
+serially where it could differ; :mod:`tritonopt.dist.dsp_overlap` holds it.
 
 Memory (spec sec. 2.6). Between steps ``M_k`` holds ``m_k`` inputs, so the
 queue costs ``m_k * B * s_in * b`` bytes (batch ``B``, ``s_in`` elements per
@@ -62,19 +50,16 @@ holds one more (the forward of ``t`` precedes the backward of ``t - m_k``).
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-import warnings
 from collections import deque
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tritonopt._runtime import nvtx_range
+from tritonopt.dist.dsp_overlap import OverlappedRecompute
 
 __all__ = [
     "BN_POLICIES",
@@ -206,127 +191,6 @@ class _Queued:
     output: Optional[torch.Tensor]  # the forward's graph, kept only when staleness == 0
 
 
-# --------------------------------------------------------------------------- overlapped recompute
-
-
-class _NeedsSerial(Exception):
-    """The overlapped recomputation cannot equal the serial one; the stage recomputes serially."""
-
-
-class _PrivateGenerator(TorchDispatchMode):
-    """Hands ``generator`` to every RNG op of the thread that enters it (dispatch modes are per thread).
-
-    Ops whose schema has no generator argument are called through their ``generator``
-    overload (``rand.default`` -> ``rand.generator``); an op with neither raises
-    :class:`_NeedsSerial` before it draws, so the process's default generator is never touched.
-    """
-
-    def __init__(self, generator: torch.Generator):
-        super().__init__()
-        self.generator = generator
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            func, args, kwargs = self._seeded(func, tuple(args), kwargs)
-        return func(*args, **kwargs)
-
-    def _seeded(self, func, args: tuple, kwargs: dict):
-        names = [a.name for a in func._schema.arguments]
-        if "generator" not in names:
-            overload = "generator" if func._overloadname == "default" else f"{func._overloadname}_generator"
-            sibling = getattr(func.overloadpacket, overload, None)
-            if sibling is None or [a.name for a in sibling._schema.arguments if a.name != "generator"] != names:
-                raise _NeedsSerial(f"{func} draws random numbers but takes no generator")
-            func, names = sibling, [a.name for a in sibling._schema.arguments]
-        index = names.index("generator")
-        if index < len(args) and not func._schema.arguments[index].kwarg_only:
-            if args[index] is None:
-                args = args[:index] + (self.generator,) + args[index + 1:]
-        elif kwargs.get("generator") is None:
-            kwargs["generator"] = self.generator
-        return func, args, kwargs
-
-
-def _shadow(module: nn.Module, memo: Optional[dict] = None) -> nn.Module:
-    """A copy of ``module`` sharing its parameters, hooks and attributes, with buffers of its own.
-
-    Each submodule is copied shallowly (so hooks registered on the block also run on the
-    shadow) and given fresh clones of its buffers; attributes a forward pass sets (for
-    example a weight-norm pre-hook's) land on the shadow, not on the block.
-    """
-    memo = {} if memo is None else memo
-    if id(module) in memo:
-        return memo[id(module)]
-    copy = object.__new__(type(module))
-    copy.__dict__.update(module.__dict__)
-    memo[id(module)] = copy
-    buffers = {}
-    for name, b in module._buffers.items():
-        if b is not None and id(b) not in memo:  # a buffer shared by two submodules stays shared
-            memo[id(b)] = b.detach().clone()
-        buffers[name] = None if b is None else memo[id(b)]
-    copy.__dict__["_buffers"] = buffers
-    copy.__dict__["_modules"] = {
-        name: None if child is None else _shadow(child, memo) for name, child in module._modules.items()
-    }
-    return copy
-
-
-def _write_only_buffers(module: nn.Module) -> set[int]:
-    """Ids of the buffers a forward pass writes but whose output does not read them.
-
-    The running statistics of a normalisation layer in training mode: its output uses the
-    batch's statistics.
-    """
-    ids = set()
-    for sub in module.modules():
-        if isinstance(sub, _NormBase) and sub.training:
-            ids.update(id(b) for b in sub.buffers(recurse=False))
-    return ids
-
-
-def _versions(tensors) -> list[tuple[int, int]]:
-    return [(id(t), t._version) for t in tensors]
-
-
-@dataclass(eq=False)
-class _Prefetch:
-    """A recomputation started beside the forward of the batch before its backward."""
-
-    batch: int
-    shadow: nn.Module
-    parameter_versions: list[tuple[int, int]]
-    read_buffer_versions: Optional[list[tuple[int, int]]]  # checked under bn_policy="forward"
-    thread: Optional[threading.Thread] = None
-    cuda_done: Optional[object] = None  # a torch.cuda.Event on the side stream
-    output: Optional[torch.Tensor] = None
-    error: Optional[BaseException] = None
-
-
-def _autocast_devices() -> list[tuple[str, torch.dtype]]:
-    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-
-
-def _thread_local_modes() -> Callable[[], contextlib.ExitStack]:
-    """The caller's grad mode and autocast states, as a context to enter in another thread.
-
-    Autocast's weight cache is not carried over (each thread has its own); the overlap
-    runs only where the caller disabled it.
-    """
-    grad_enabled = torch.is_grad_enabled()
-    autocast = _autocast_devices()
-
-    def enter() -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.set_grad_enabled(grad_enabled))
-        for device_type, dtype in autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
-        return stack
-
-    return enter
-
-
 # --------------------------------------------------------------------------- the stage
 
 
@@ -371,10 +235,7 @@ class StageCompute:
     peak_queue_bytes: int = field(default=0, init=False)
     peak_queue_entries: int = field(default=0, init=False)
     _queue: deque = field(default_factory=deque, init=False, repr=False)
-    _prefetch: Optional[_Prefetch] = field(default=None, init=False, repr=False)
-    _side_stream: Optional[object] = field(default=None, init=False, repr=False)
-    # Why this stage recomputes serially although recompute="overlap" (None: it overlaps).
-    overlap_off_reason: Optional[str] = field(default=None, init=False)
+    _overlap: Optional[OverlappedRecompute] = field(default=None, init=False, repr=False)
 
     def __post_init__(self, record_events: bool) -> None:
         if self.bn_policy not in BN_POLICIES:
@@ -382,6 +243,15 @@ class StageCompute:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         self.events = [] if record_events else None
+        if self.recompute == "overlap":
+            self._overlap = OverlappedRecompute(
+                self.module, self.bn_policy, needs_input_grad=not self.is_first, replay_rng=_rng_replayed
+            )
+
+    @property
+    def overlap_off_reason(self) -> Optional[str]:
+        """Why this stage recomputes serially although ``recompute="overlap"`` (``None``: it overlaps)."""
+        return None if self._overlap is None else self._overlap.off_reason
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -476,10 +346,11 @@ class StageCompute:
                 return output.detach()
             rng_state = capture_rng(_rng_devices(inputs))
             if (
-                self.recompute == "overlap" and self.overlap_off_reason is None
+                self._overlap is not None and self._overlap.off_reason is None
                 and self._queue and self._queue[0].batch <= batch - self.staleness
             ):
-                self._start_prefetch(self._queue[0])  # the input the backward after this forward pops
+                oldest = self._queue[0]  # the input the backward after this forward pops
+                self._overlap.start(oldest.batch, oldest.inputs, oldest.rng_state)
             keep_buffers = (
                 _buffers_unchanged(self.module) if self.bn_policy == "recompute" else contextlib.nullcontext()
             )
@@ -511,7 +382,9 @@ class StageCompute:
         self._queue.popleft()
         self._event("backward", batch)
         with self._phase("backward", batch), contextlib.ExitStack() as stack:
-            output = entry.output if entry.output is not None else self._take_prefetch(batch)
+            output = entry.output
+            if output is None and self._overlap is not None:
+                output = self._overlap.take(batch)  # called here directly: its warning names this line
             if output is None:
                 inputs = entry.inputs
                 if not self.is_first:
@@ -530,108 +403,13 @@ class StageCompute:
         self._note_queue()
         return None if self.is_first else entry.inputs.grad
 
-    # ------------------------------------------------------------ overlapped recompute
-
-    def _read_buffers(self) -> list[tuple[int, int]]:
-        """Identity and version of every buffer the block's output may read."""
-        write_only = _write_only_buffers(self.module)
-        return _versions(b for b in self.module.buffers() if id(b) not in write_only)
-
-    def _start_prefetch(self, entry: _Queued) -> None:
-        """Start recomputing ``entry`` on a shadow of the block, beside the forward about to run."""
-        if _autocast_devices() and torch.is_autocast_cache_enabled():
-            # The serial recomputation may use weights cast (and cached) before the last updates.
-            self._turn_overlap_off(
-                "autocast caches weight casts per thread; pass cache_enabled=False to torch.autocast to overlap"
-            )
-            return
-        inputs = entry.inputs
-        if not self.is_first:
-            inputs.requires_grad_(True)
-        prefetch = _Prefetch(
-            entry.batch, _shadow(self.module), _versions(self.module.parameters()),
-            self._read_buffers() if self.bn_policy == "forward" else None,
-        )
-        modes = _thread_local_modes()
-        if inputs.device.type == "cuda":
-            # One host thread: the RNG state is replayed and restored before the forward draws,
-            # as in the serial path; the side stream gives the overlap.
-            device = inputs.device
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device)
-            side = self._side_stream
-            side.wait_stream(torch.cuda.current_stream(device))  # the weights and the buffer copies
-            with nvtx_range("tritonopt/dsp/recompute"), torch.cuda.stream(side), modes(), _rng_replayed(
-                entry.rng_state, _rng_devices(inputs)
-            ):
-                inputs.record_stream(side)
-                prefetch.output = prefetch.shadow(inputs)
-            prefetch.cuda_done = torch.cuda.Event()
-            prefetch.cuda_done.record(side)
-        else:
-            generator = torch.Generator()
-            generator.set_state(entry.rng_state[0])
-
-            def recompute() -> None:
-                try:
-                    with nvtx_range("tritonopt/dsp/recompute"), modes(), _PrivateGenerator(generator):
-                        prefetch.output = prefetch.shadow(inputs)
-                except BaseException as exc:  # re-raised on the stage's thread by _take_prefetch
-                    prefetch.error = exc
-
-            prefetch.thread = threading.Thread(
-                target=recompute, name=f"tritonopt-dsp-recompute-batch-{entry.batch}", daemon=True
-            )
-            prefetch.thread.start()
-        self._prefetch = prefetch
-
-    def _take_prefetch(self, batch: int) -> Optional[torch.Tensor]:
-        """The overlapped recomputation of ``batch``, or ``None`` where it must run serially."""
-        prefetch, self._prefetch = self._prefetch, None
-        if prefetch is None:
-            return None
-        if prefetch.thread is not None:
-            with nvtx_range("tritonopt/dsp/wait_recompute"):
-                prefetch.thread.join()
-        if prefetch.batch != batch:
-            return None
-        if prefetch.error is not None:
-            if isinstance(prefetch.error, _NeedsSerial):
-                self._turn_overlap_off(str(prefetch.error))
-                return None
-            raise RuntimeError(
-                f"the overlapped recomputation of batch {batch} failed in its worker thread: "
-                f"{type(prefetch.error).__name__}: {prefetch.error}"
-            ) from prefetch.error
-        if _versions(self.module.parameters()) != prefetch.parameter_versions:
-            return None  # the weights moved in between: recompute at the current ones
-        if prefetch.read_buffer_versions is not None and self._read_buffers() != prefetch.read_buffer_versions:
-            self._turn_overlap_off(
-                "the forward pass changed a buffer that the block's output reads, so the recomputation "
-                "must follow it"
-            )
-            return None
-        if prefetch.cuda_done is not None:
-            torch.cuda.current_stream(prefetch.output.device).wait_event(prefetch.cuda_done)
-        if self.bn_policy == "recompute":  # the recomputation's buffer update is the one kept
-            with torch.no_grad():
-                for kept, recomputed in zip(self.module.buffers(), prefetch.shadow.buffers()):
-                    kept.copy_(recomputed)
-        return prefetch.output
-
-    def _turn_overlap_off(self, reason: str) -> None:
-        self.overlap_off_reason = reason
-        warnings.warn(f"DSP stage: recompute='overlap' recomputes serially from now on: {reason}", RuntimeWarning,
-                      stacklevel=3)
-
     def discard_prefetch(self) -> None:
         """Wait for an overlapped recomputation still running and drop it (after an error).
 
         Leaves no worker thread behind; the queued input stays for a serial recomputation.
         """
-        prefetch, self._prefetch = self._prefetch, None
-        if prefetch is not None and prefetch.thread is not None:
-            prefetch.thread.join()
+        if self._overlap is not None:
+            self._overlap.discard()
 
     def forward_backward(self, batch: int, inputs: torch.Tensor, targets) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Last stage: loss of ``batch``, backward and step; returns ``(loss, delta_(k-1))``."""
