@@ -1,19 +1,25 @@
 """FOSI, DHO2 and MR-DHO2 claims at CPU scale: the paper's E1 quadratic and the digits MLP.
 
-    python -m perf.fosi_experiment [--smoke] [--epochs 8] [--out DIR]
+    python -m perf.fosi_experiment [--smoke] [--epochs 8] [--seeds 0 1 2] [--out DIR]
 
 E1: f(w) = 1/2 (w - w*)^T A (w - w*), A = Q diag(lambda) Q^T with 10 outliers in
 [50, 100] and the rest in logspace(-2, 0). Heavy-ball (momentum 0.9) against
 FOSI-HB (paper formulation, k = 10, l = 0, m = 40, alpha = 1, one ESE at the
-start) over a learning-rate grid; metric: iterations until f / f0 < 1e-3.
-Claim: FOSI-HB at its best lr needs >= 3x fewer iterations than HB at its best.
+start) over one learning-rate grid; metric: iterations until f / f0 < 1e-3.
+The problem is deterministic: one run per method and lr. Claim: FOSI-HB at
+its best lr needs >= 3x fewer iterations than HB at its own best.
 
-Digits: the demo's 64-256-256-10 MLP on scikit-learn's digits (batch 32), all
-runs with Adam's lr 1e-3 and, for the hybrid ones, k = 10, l = 0, m = 40,
-alpha = 0.1, a one-epoch warm-up and an ESE at every epoch start on the last
-8 batches (256 samples):
+Digits: the demo's 64-256-256-10 MLP on scikit-learn's digits (batch 32),
+seeds 0, 1 and 2 (the initial weights and the batch order); the hybrid runs use
+k = 10, l = 0, m = 40, alpha = 0.1, a one-epoch warm-up and an ESE at every
+epoch start on the last 8 batches (256 samples):
 
-* Adam, and FOSI-Adam in one process. Claim: FOSI's train loss <= Adam's.
+* Adam, and FOSI-Adam in one process, each at every lr of ``DIGITS_LRS`` on
+  every seed: one sweep. Each is reported at its own best lr by a rule fixed
+  here: the lowest mean final train loss over the seeds (non-finite counts as
+  infinite; the smaller lr on a tie). Claim: FOSI-Adam's mean final train loss
+  <= Adam's, each at its best lr; both with their standard errors (sample
+  std / sqrt(n)). The runs below use FOSI-Adam's best lr, on every seed:
 * FOSI-Adam again, its gradient added up from the two interleaved
   half-batches as DHO2's ranks compute it: the same math with other rounding.
   How far it drifts from the first FOSI run measures how much this training
@@ -21,8 +27,9 @@ alpha = 0.1, a one-epoch warm-up and an ESE at every epoch start on the last
 * DHO2 on 2 gloo ranks (spawned here, one thread each): each rank takes every
   second sample of a batch, its loss scaled so that the averaged gradient is
   the whole batch's; every rank runs the ESE on the same 256 samples.
-  Claim: it reproduces the single-process curve (max relative difference of
-  the per-epoch train loss <= 1e-3, and reported beside the rounding control).
+  Claim: it reproduces the single-process curve on every seed (max relative
+  difference of the per-epoch train loss <= 1e-3, and reported beside the
+  rounding control).
 * The Lanczos basis ``D`` per rank for 1 rank (DHO2 on a one-rank group) and 2
   ranks. Claim: exactly ``m * ceil(n / C)`` elements, so it halves.
 * MR-DHO2 on 4 gloo ranks (2 accelerators, 2 workers): the workers train with
@@ -34,10 +41,10 @@ alpha = 0.1, a one-epoch warm-up and an ESE at every epoch start on the last
   others; the paper calls it heuristic, so no claim is checked beyond that.
 
 Results under ``--out`` (default ``perf/results/fosi/``): ``fosi_e1.csv``,
-``fosi_digits.csv`` (per-epoch curves), ``fosi_dist.csv`` (D shard sizes),
+``fosi_digits.csv`` (per-epoch curves of every run, sweep included), ``fosi_dist.csv`` (D shard sizes),
 ``fosi_comm.csv`` (bytes each distributed run sent, per collective),
 ``fosi.png`` and ``fosi_summary.md``. ``--smoke`` runs a seconds-long version
-of everything (a smaller training set and basis) and checks only the claims it can decide
+of everything (a smaller training set and basis, one seed, two lrs) and checks only the claims it can decide
 (DHO2's reproduction, the shard sizes). The exit status is 1 when a checked claim fails.
 FOSI-Adam's train step is ``perf/_optimizers.py``'s, which the demo uses too.
 """
@@ -52,11 +59,13 @@ if __name__ == "__main__" and not __package__:  # python perf/fosi_experiment.py
 import dataclasses
 import datetime
 import math
+import statistics
 import time
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -76,6 +85,10 @@ CURVE_RTOL = 1e-3
 E1_CLAIMED_RATIO = 3
 DHO2_NAME = "DHO2 (2 ranks)"
 CONTROL_NAME = "FOSI-Adam, gradient of 2 half-batches (rounding control)"
+DEFAULT_SEEDS = (0, 1, 2)
+# The digits sweep of Adam's and FOSI-Adam's lr: a factor of 3 either side of the earlier single lr 1e-3.
+DIGITS_LRS = (3e-4, 1e-3, 3e-3)
+SMOKE_DIGITS_LRS = (1e-3, 3e-3)
 # Gloo collectives give up after this long (a rank that died would otherwise hang the others).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -190,10 +203,8 @@ def train_curve(model, step: Callable, data, setup: DigitsSetup, label: str, rep
     return {"losses": run.train_losses, "test_accs": run.test_accuracies, "seconds": run.wall_seconds}
 
 
-def run_single_process(setup: DigitsSetup, data) -> tuple[dict, dict]:
-    """Adam, FOSI-Adam and its rounding control in this process; (curves, D facts of FOSI)."""
-    curves = {}
-
+def run_adam(setup: DigitsSetup, data) -> dict:
+    """Adam at ``setup.lr`` on ``setup.seed``: its curve."""
     model = make_mlp(setup.seed)
     adam = torch.optim.Adam(model.parameters(), lr=setup.lr)
 
@@ -202,40 +213,42 @@ def run_single_process(setup: DigitsSetup, data) -> tuple[dict, dict]:
         loss_fn(model(x), y).backward()
         adam.step()
 
-    curves["Adam"] = train_curve(model, adam_step, data, setup, "Adam")
+    return train_curve(model, adam_step, data, setup, f"Adam, lr {setup.lr:g}, seed {setup.seed}")
 
-    d_facts = {}
-    for name, split in (("FOSI-Adam", 1), (CONTROL_NAME, 2)):
-        model = make_mlp(setup.seed)
-        w0 = flat_weights(model)
-        step = FosiStep(model, setup.fosi_kwargs(), setup.ese_batches, split_batch=split)
-        curves[name] = train_curve(model, step, data, setup, name)
-        curves[name]["weights"], curves[name]["w0"] = flat_weights(model), w0
-        if split == 1:
-            report = step.optimizer.last_lanczos
-            d_facts = {"n": w0.numel(), "steps": report.get("steps", 0),
-                       "shape": report.get("basis_shape"), "numel": report.get("basis_numel", 0)}
-    return curves, d_facts
+
+def run_fosi(setup: DigitsSetup, data, split_batch: int = 1) -> tuple[dict, dict]:
+    """FOSI-Adam at ``setup.lr`` on ``setup.seed`` (``split_batch = 2``: the rounding control);
+    (its curve with the start and final weights, the facts of its basis D)."""
+    model = make_mlp(setup.seed)
+    w0 = flat_weights(model)
+    step = FosiStep(model, setup.fosi_kwargs(), setup.ese_batches, split_batch=split_batch)
+    label = "FOSI-Adam" if split_batch == 1 else CONTROL_NAME
+    curve = train_curve(model, step, data, setup, f"{label}, lr {setup.lr:g}, seed {setup.seed}")
+    curve["weights"], curve["w0"] = flat_weights(model), w0
+    report = step.optimizer.last_lanczos
+    d_facts = {"n": w0.numel(), "steps": report.get("steps", 0),
+               "shape": report.get("basis_shape"), "numel": report.get("basis_numel", 0)}
+    return curve, d_facts
 
 
 # --------------------------------------------------------------------------- digits: gloo ranks
 
 
-def _rank_main(rank: int, world: int, target: Callable, setup: DigitsSetup, data):
+def _rank_main(rank: int, world: int, target: Callable, setups: tuple[DigitsSetup, ...], data):
     """Entry point of a spawned rank: ``target``'s result."""
     # torch 2.13 deprecates dist.all_gather_into_tensor, which the library's communicator calls: noise here.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
-    return target(rank, world, setup, data)
+    return target(rank, world, setups, data)
 
 
-def run_on_gloo_ranks(world: int, target: Callable, setup: DigitsSetup, data) -> list:
-    """``[target(rank, world, setup, data) for every rank]``, each rank a spawned process of one gloo group."""
-    return ranks.run_on_ranks(world, _rank_main, target, setup, data, timeout=None, weights_only=True,
+def run_on_gloo_ranks(world: int, target: Callable, setups: tuple[DigitsSetup, ...], data) -> list:
+    """``[target(rank, world, setups, data) for every rank]``, each rank a spawned process of one gloo group."""
+    return ranks.run_on_ranks(world, _rank_main, target, setups, data, timeout=None, weights_only=True,
                               group_timeout=COLLECTIVE_TIMEOUT.total_seconds())
 
 
-def comm_rows(run: str, rank: int, comm: CountingCommunicator) -> list[dict]:
-    return [{"run": run, "rank": rank, "collective": label, "calls": s.calls, "bytes_sent": s.bytes_sent,
+def comm_rows(run: str, rank: int, comm: CountingCommunicator, seed: int) -> list[dict]:
+    return [{"run": run, "seed": seed, "rank": rank, "collective": label, "calls": s.calls, "bytes_sent": s.bytes_sent,
              "bytes_received": s.bytes_received} for label, s in sorted(comm.stats().items())]
 
 
@@ -245,9 +258,10 @@ def dho2_rank(rank: int, world: int, setup: DigitsSetup, data) -> dict:
     comm = CountingCommunicator()
     step = FosiStep(model, {**setup.fosi_kwargs(), "comm": comm}, setup.ese_batches,
                     optimizer_class=DHO2, rank=rank, world=world)
-    curve = train_curve(model, step, data, setup, DHO2_NAME, report=rank == 0)
+    curve = train_curve(model, step, data, setup, f"{DHO2_NAME}, lr {setup.lr:g}, seed {setup.seed}",
+                        report=rank == 0)
     result = {"curve": curve, "weights": flat_weights(model), "memory": dict(step.optimizer.memory),
-              "comm": comm_rows(DHO2_NAME, rank, comm), "rank_of_v": step.optimizer.eigenvalues.numel()}
+              "comm": comm_rows(DHO2_NAME, rank, comm, setup.seed), "rank_of_v": step.optimizer.eigenvalues.numel()}
 
     alone = dist.new_group([0])  # every rank must take part in creating it
     if rank == 0:
@@ -256,6 +270,16 @@ def dho2_rank(rank: int, world: int, setup: DigitsSetup, data) -> dict:
         result["memory_one_rank"] = dict(single.memory)
     dist.barrier()
     return result
+
+
+def dho2_seeds(rank: int, world: int, setups: tuple[DigitsSetup, ...], data) -> list[dict]:
+    """:func:`dho2_rank` for each setup (one seed each), in one group: the ranks start once."""
+    return [dho2_rank(rank, world, setup, data) for setup in setups]
+
+
+def mrdho2_seeds(rank: int, world: int, setups: tuple[DigitsSetup, ...], data) -> list[dict]:
+    """:func:`mrdho2_rank` for each setup (one seed each), in one group: the ranks start once."""
+    return [mrdho2_rank(rank, world, setup, data) for setup in setups]
 
 
 def mrdho2_rank(rank: int, world: int, setup: DigitsSetup, data) -> dict:
@@ -301,12 +325,12 @@ def mrdho2_run(rank: int, world: int, setup: DigitsSetup, data, mode: str) -> di
             loss, accuracy = evaluate(model, data)
             losses.append(loss)
             accuracies.append(accuracy)
-            print(f"digits {setup.mr_name(mode)}: epoch {epoch + 1} train loss {loss:.5f} (first-order "
+            print(f"digits {setup.mr_name(mode)}, lr {setup.lr:g}, seed {setup.seed}: epoch {epoch + 1} train loss {loss:.5f} (first-order "
                   f"weights {losses_before_merge[-1]:.5f}) test acc {accuracy:.3f}", flush=True)
     curve = {"losses": losses, "losses_before_merge": losses_before_merge, "test_accs": accuracies,
              "seconds": time.perf_counter() - began}
     return {"curve": curve if reporter else None, "memory": dict(mr.memory),
-            "comm": comm_rows(setup.mr_name(mode), rank, comm)}
+            "comm": comm_rows(setup.mr_name(mode), rank, comm, setup.seed)}
 
 
 # --------------------------------------------------------------------------- claims
@@ -330,52 +354,111 @@ def weight_drift(weights: torch.Tensor, reference: dict) -> float:
     return float((weights - reference["weights"]).norm() / (reference["weights"] - reference["w0"]).norm())
 
 
-def digits_claims(setup: DigitsSetup, curves: dict, shard_rows: list[dict],
-                  dho2_weights_rel: float) -> tuple[list[str], list[harness.Claim]]:
-    """The digits section of the summary, and the claims it checks."""
-    adam, fosi = curves["Adam"], curves["FOSI-Adam"]
-    dho2 = curves[DHO2_NAME]
-    control = curves[CONTROL_NAME]
-    dho2_diff = max_relative_difference(dho2["losses"], fosi["losses"])
-    control_diff = max_relative_difference(control["losses"], fosi["losses"])
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n)) over the seeds; the SE is NaN for one value."""
+    values = np.asarray([float(v) for v in values])
+    if values.size == 0:
+        raise ValueError("mean_se needs at least one value")
+    # numpy, not statistics: a diverged run's NaN or inf must give a NaN figure, not an exception.
+    with np.errstate(invalid="ignore"):
+        se = float(values.std(ddof=1) / math.sqrt(values.size)) if values.size > 1 else float("nan")
+    return float(values.mean()), se
+
+
+def pm(mean: float, se: float, digits: int = 5) -> str:
+    return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def best_lr(sweep: dict, method: str) -> float:
+    """The rule, fixed before any result: the lr of lowest mean final train loss over the seeds
+    (a non-finite loss counts as infinite; the smaller lr wins a tie). ``sweep``: {(method, lr, seed): curve}."""
+    lrs = sorted({lr for (name, lr, _) in sweep if name == method})
+    if not lrs:
+        raise ValueError(f"no sweep runs of {method!r} to choose a learning rate from")
+
+    def mean_final_loss(lr):
+        losses = [c["losses"][-1] for (name, rate, _), c in sweep.items() if name == method and rate == lr]
+        return statistics.fmean(losses) if all(math.isfinite(v) for v in losses) else math.inf
+
+    return min(lrs, key=lambda lr: (mean_final_loss(lr), lr))
+
+
+def final(runs: dict, name: str, key: str = "losses") -> list[float]:
+    """The last epoch's value of ``key`` of each seed's run of ``name``."""
+    return [curve[key][-1] for curve in runs[name].values()]
+
+
+def digits_claims(setup: DigitsSetup, runs: dict, run_lrs: dict, sweep: dict, shard_rows: list[dict],
+                  ) -> tuple[list[str], list[harness.Claim]]:
+    """The digits section of the summary, and the claims it checks.
+
+    ``runs``: {name: {seed: curve}}, each method at the lr ``run_lrs[name]`` (Adam and FOSI-Adam at their
+    best from ``sweep``; the rounding control, DHO2 and MR-DHO2 at FOSI-Adam's).
+    """
+    seeds = list(runs["FOSI-Adam"])
+    fosi = runs["FOSI-Adam"]
+    dho2_diff = max(max_relative_difference(runs[DHO2_NAME][s]["losses"], fosi[s]["losses"]) for s in seeds)
+    control_diff = max(max_relative_difference(runs[CONTROL_NAME][s]["losses"], fosi[s]["losses"]) for s in seeds)
+    dho2_drift = max(weight_drift(runs[DHO2_NAME][s]["weights"], fosi[s]) for s in seeds)
+    control_drift = max(weight_drift(runs[CONTROL_NAME][s]["weights"], fosi[s]) for s in seeds)
     one = [r for r in shard_rows if r["run"] == "DHO2 (1 rank)"]
     two = [r for r in shard_rows if r["run"] == DHO2_NAME]
     # An odd n pads one column onto the last shard.
     halves = bool(one and two) and all(
         2 * r["d_shard_numel"] == one[0]["d_shard_numel"] + r["m"] * (r["n"] % 2) for r in two)
     exact = all(r["exact"] for r in shard_rows)
-    adam_final, fosi_final = adam["losses"][-1], fosi["losses"][-1]
+    adam_final, fosi_final = mean_se(final(runs, "Adam")), mean_se(final(runs, "FOSI-Adam"))
+    gap = fosi_final[0] - adam_final[0]
+    gap_se = math.hypot(fosi_final[1], adam_final[1])
 
     def place(loss: float) -> str:
-        if loss <= min(adam_final, fosi_final):
-            return "below both Adam and FOSI-Adam"
-        if loss <= max(adam_final, fosi_final):
-            return "between FOSI-Adam and Adam"
-        return f"above Adam's ({loss / adam_final:.2f}x)"
+        if loss <= min(adam_final[0], fosi_final[0]):
+            return "below both Adam's and FOSI-Adam's means"
+        if loss <= max(adam_final[0], fosi_final[0]):
+            return "between FOSI-Adam's and Adam's means"
+        return f"above Adam's mean ({loss / adam_final[0]:.2f}x)"
 
     def verdict(ok: bool) -> str:
         return "**holds**" if ok else "**does not hold**"
 
     lines = [
         f"## Digits MLP ({setup.epochs} epochs, {setup.steps_per_epoch} steps of {setup.batch_size} per epoch, "
-        f"Adam lr {setup.lr:g}; k = {setup.k}, m = {setup.lanczos_iters}, alpha = {setup.alpha:g}, "
+        f"seeds {', '.join(map(str, seeds))}; k = {setup.k}, m = {setup.lanczos_iters}, alpha = {setup.alpha:g}, "
         "ESE every epoch after a 1-epoch warm-up)", "",
-        "| method | final train loss | final test acc | wall time (s) |",
-        "| --- | --- | --- | --- |",
+        f"Adam and FOSI-Adam each run every lr of {', '.join(f'{lr:g}' for lr in sorted({k[1] for k in sweep}))} "
+        "on every seed (one sweep); each is reported at its own best lr, the one of lowest mean final train "
+        "loss over the seeds (the rule is fixed in the code). The rounding control, DHO2 and MR-DHO2 run at "
+        "FOSI-Adam's best lr on the same seeds. Mean ± standard error (sample std / sqrt(n)) over the seeds.", "",
+        "| method | lr | final train loss | final test acc | wall time (s, mean) |",
+        "| --- | --- | --- | --- | --- |",
     ]
-    for name, c in curves.items():
-        lines.append(f"| {name} | {c['losses'][-1]:.5f} | {c['test_accs'][-1]:.3f} | {c['seconds']:.1f} |")
+    for name, by_seed in runs.items():
+        lines.append(f"| {name} | {run_lrs[name]:g} | {pm(*mean_se(final(runs, name)))} | "
+                     f"{pm(*mean_se(final(runs, name, 'test_accs')), 4)} | "
+                     f"{statistics.fmean(c['seconds'] for c in by_seed.values()):.1f} |")
+    lines += ["", "The sweep (every configuration run; * = chosen):", "",
+              "| method | lr | final train loss | final test acc |", "| --- | --- | --- | --- |"]
+    for method in dict.fromkeys(name for name, _, _ in sweep):
+        for lr in sorted({rate for name, rate, _ in sweep if name == method}):
+            curves = [c for (name, rate, _), c in sweep.items() if name == method and rate == lr]
+            mark = " *" if lr == run_lrs[method] else ""
+            lines.append(f"| {method} | {lr:g}{mark} | {pm(*mean_se(c['losses'][-1] for c in curves))} | "
+                         f"{pm(*mean_se(c['test_accs'][-1] for c in curves), 4)} |")
+    edges = [m for m in ("Adam", "FOSI-Adam")
+             if run_lrs[m] in (min(k[1] for k in sweep), max(k[1] for k in sweep)) and len({k[1] for k in sweep}) > 1]
+    if edges:
+        lines += ["", f"Best lr on the edge of the grid: {', '.join(edges)}."]
     lines += [
         "",
-        f"1. FOSI-Adam's train loss <= Adam's at the same lr and epoch count: {verdict(fosi_final <= adam_final)} "
-        f"({fosi_final:.5f} vs {adam_final:.5f}).",
-        f"2. DHO2 on 2 gloo ranks reproduces the single-process FOSI-Adam curve (max relative difference of the "
-        f"per-epoch train loss <= {CURVE_RTOL:g}): {verdict(dho2_diff <= CURVE_RTOL)}. Max relative difference "
-        f"{dho2_diff:.2e}; final weights differ by {dho2_weights_rel:.2e} of the distance travelled "
-        f"(||w_DHO2 - w_FOSI|| / ||w_FOSI - w_0||; the tests hold DHO2 to 1e-5 relative)"
+        f"1. FOSI-Adam's mean final train loss <= Adam's, each at its own best lr: {verdict(gap <= 0)} "
+        f"({pm(*fosi_final)} vs {pm(*adam_final)}; difference {pm(gap, gap_se)}).",
+        f"2. DHO2 on 2 gloo ranks reproduces the single-process FOSI-Adam curve on every seed (max relative "
+        f"difference of the per-epoch train loss <= {CURVE_RTOL:g}): {verdict(dho2_diff <= CURVE_RTOL)}. Max "
+        f"relative difference over the seeds {dho2_diff:.2e}; final weights differ by at most {dho2_drift:.2e} of "
+        f"the distance travelled (||w_DHO2 - w_FOSI|| / ||w_FOSI - w_0||; the tests hold DHO2 to 1e-5 relative)"
         f". The single-process run whose gradient is added up from the two half-batches, as the ranks "
-        f"compute it (same math, other rounding), differs from FOSI-Adam by {control_diff:.2e} in loss and "
-        f"{weight_drift(control['weights'], fosi):.2e} in weights (rounding control).",
+        f"compute it (same math, other rounding), differs from FOSI-Adam by at most {control_diff:.2e} in loss and "
+        f"{control_drift:.2e} in weights (rounding control).",
         f"3. The D shard per rank is exactly m * ceil(n / C) and halves from 1 to 2 ranks: "
         f"{verdict(exact and halves)}. " + "; ".join(
             f"{r['run']} rank {r['rank']}: {r['d_shard_numel']:,} (m * ceil(n/C) = "
@@ -385,17 +468,18 @@ def digits_claims(setup: DigitsSetup, curves: dict, shard_rows: list[dict],
         "them (the paper calls its final update heuristic; one would expect it between Adam and DHO2, or near Adam):",
     ]
     for mode in setup.mr_modes:
-        mr = curves[setup.mr_name(mode)]
-        merges = list(zip(mr["losses_before_merge"][1:], mr["losses"][1:]))
+        name = setup.mr_name(mode)
+        loss = mean_se(final(runs, name))
+        merges = [(before, after) for curve in runs[name].values()
+                  for before, after in zip(curve["losses_before_merge"][1:], curve["losses"][1:])]
         helped = sum(after < before for before, after in merges)
         lines.append(
-            f"   - p = {mode} of the epoch's gradients: final train loss {mr['losses'][-1]:.5f}, test acc "
-            f"{mr['test_accs'][-1]:.3f}, {place(mr['losses'][-1])}. {helped} of {len(merges)} merges (eq. 17) "
-            "lowered the train loss of the workers' first-order weights (before -> after, epochs 2 onwards: "
-            + ", ".join(f"{b:.4f} -> {a:.4f}" for b, a in merges) + ").")
+            f"   - p = {mode} of the epoch's gradients: final train loss {pm(*loss)}, test acc "
+            f"{pm(*mean_se(final(runs, name, 'test_accs')), 4)}, {place(loss[0])}. {helped} of {len(merges)} "
+            "merges (eq. 17, epochs 2 onwards, all seeds) lowered the train loss of the workers' first-order weights.")
     checks = [
-        harness.Claim("FOSI-Adam's train loss <= Adam's", fosi_final <= adam_final,
-                      f"{fosi_final:.5f} vs {adam_final:.5f}"),
+        harness.Claim("FOSI-Adam's mean final train loss <= Adam's, each at its best lr", gap <= 0,
+                      f"{pm(*fosi_final)} vs {pm(*adam_final)}; difference {pm(gap, gap_se)}"),
         harness.Claim(f"DHO2 on 2 ranks reproduces FOSI-Adam's curve within {CURVE_RTOL:g}",
                       dho2_diff <= CURVE_RTOL, f"max relative difference {dho2_diff:.2e}", smoke_scale=True),
         harness.Claim("the D shard per rank is m * ceil(n / C) and halves from 1 to 2 ranks",
@@ -407,7 +491,7 @@ def digits_claims(setup: DigitsSetup, curves: dict, shard_rows: list[dict],
 # --------------------------------------------------------------------------- outputs
 
 
-def plot(path: Path, e1: list[dict], curves: dict, mr_names: list[str]) -> None:
+def plot(path: Path, e1: list[dict], runs: dict, run_lrs: dict, mr_names: list[str]) -> None:
     plt = harness.pyplot()
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
     # HB is drawn over FOSI-HB: at small lr the two coincide; missing HB points diverged.
@@ -423,19 +507,21 @@ def plot(path: Path, e1: list[dict], curves: dict, mr_names: list[str]) -> None:
     for color, name in zip(("C2", "C4"), mr_names):
         styles[name] = dict(color=color, marker="o", markersize=3)
     for name, style in styles.items():
-        c = curves[name]
-        ax2.plot(range(1, len(c["losses"]) + 1), c["losses"], label=name, **style)
-    ax2.set_xlabel("epoch"), ax2.set_ylabel("train loss"), ax2.set_yscale("log")
-    ax2.set_title("digits MLP, lr 1e-3"), ax2.legend(fontsize="small")
-    fosi = curves["FOSI-Adam"]["losses"]
+        mean_curve = [statistics.fmean(epoch) for epoch in zip(*(c["losses"] for c in runs[name].values()))]
+        ax2.plot(range(1, len(mean_curve) + 1), mean_curve, label=f"{name} (lr {run_lrs[name]:g})", **style)
+    ax2.set_xlabel("epoch"), ax2.set_ylabel("train loss (mean over seeds)"), ax2.set_yscale("log")
+    ax2.set_title("digits MLP, each at its lr"), ax2.legend(fontsize="small")
+    fosi = runs["FOSI-Adam"]
     for name, style in ((DHO2_NAME, dict(color="k", marker="x")),
                         (CONTROL_NAME, dict(color="C3", marker=".", linestyle=":"))):
-        # Exact agreement (a zero) has no place on a log axis: those epochs are left out.
-        diff = [abs(a - b) / abs(b) or float("nan") for a, b in zip(curves[name]["losses"], fosi)]
+        # The largest over the seeds; exact agreement (a zero) has no place on a log axis: those epochs are left out.
+        diff = [max(values) or float("nan") for values in zip(*(
+            [abs(a - b) / abs(b) for a, b in zip(runs[name][seed]["losses"], fosi[seed]["losses"])]
+            for seed in fosi))]
         ax3.plot(range(1, len(diff) + 1), diff, label=name, **style)
     ax3.axhline(CURVE_RTOL, color="gray", linewidth=1, label=f"tolerance {CURVE_RTOL:g}")
     ax3.set_yscale("log"), ax3.set_xlabel("epoch")
-    ax3.set_ylabel("|loss - FOSI-Adam's| / FOSI-Adam's (0 not drawn)")
+    ax3.set_ylabel("max over seeds of |loss - FOSI-Adam's| / FOSI-Adam's (0 not drawn)")
     ax3.set_title("reproduction of the single-process curve"), ax3.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -446,79 +532,109 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = harness.script_parser(
         __doc__.splitlines()[0], default_out="perf/results/fosi/",
         smoke_help="a short run of every part (E1 n = 120; digits: 320 training samples, 2 epochs, "
-        "k = 4, m = 16); checks the claims a short run can decide")
+        "k = 4, m = 16, one seed, lrs 1e-3 and 3e-3); checks the claims a short run can decide")
     parser.add_argument("--epochs", type=int, default=8, help="(default: %(default)s)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="(default: %(default)s)")
     args = parser.parse_args(argv)
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        parser.error(f"--seeds must be distinct and non-negative, got {args.seeds}")
     out = harness.output_dir(args.out, DEFAULT_OUT, smoke=args.smoke, name=NAME)
     torch.set_num_threads(1)  # the MLP is tiny: one thread is faster, and the ranks get a core each
     began = time.perf_counter()
     if args.smoke:
         n, lrs, max_iters = 120, [3e-2, 0.3], 200
         setup = DigitsSetup(epochs=2, train_size=320, k=4, lanczos_iters=16, ese_batches=4)
+        seeds, digits_lrs = [args.seeds[0]], SMOKE_DIGITS_LRS
     else:
         n, lrs, max_iters = 1000, [1e-2, 3e-2, 0.1, 0.3, 1.0], 3000
         setup = DigitsSetup(epochs=args.epochs)
+        seeds, digits_lrs = args.seeds, DIGITS_LRS
     if setup.epochs < 2:
         parser.error("--epochs must be at least 2 (one warm-up epoch, then the hybrid methods)")
 
     e1 = run_e1(n, lrs, max_iters)
     data = load_digits_split(setup.train_size)
-    curves, fosi_d = run_single_process(setup, data)
 
+    # One sweep: Adam and FOSI-Adam at every lr on every seed; each method's lr is chosen after it.
+    sweep, fosi_d = {}, {}
+    for seed in seeds:
+        for lr in digits_lrs:
+            run = dataclasses.replace(setup, seed=seed, lr=lr)
+            sweep["Adam", lr, seed] = run_adam(run, data)
+            sweep["FOSI-Adam", lr, seed], fosi_d = run_fosi(run, data)
+    run_lrs = {method: best_lr(sweep, method) for method in ("Adam", "FOSI-Adam")}
+    runs = {method: {seed: sweep[method, run_lrs[method], seed] for seed in seeds} for method in run_lrs}
+
+    # The reproduction and the distributed methods at FOSI-Adam's lr, on the same seeds.
+    at_fosi_lr = tuple(dataclasses.replace(setup, seed=seed, lr=run_lrs["FOSI-Adam"]) for seed in seeds)
+    runs[CONTROL_NAME] = {run.seed: run_fosi(run, data, split_batch=2)[0] for run in at_fosi_lr}
     world = 2
-    dho2 = run_on_gloo_ranks(world, dho2_rank, setup, data)
-    curves[DHO2_NAME] = dho2[0]["curve"]
-    mr = run_on_gloo_ranks(setup.mr_accelerators + setup.mr_workers, mrdho2_rank, setup, data)
+    dho2 = run_on_gloo_ranks(world, dho2_seeds, at_fosi_lr, data)  # [rank][seed index]
+    runs[DHO2_NAME] = {run.seed: {**dho2[0][i]["curve"], "weights": dho2[0][i]["weights"]}
+                       for i, run in enumerate(at_fosi_lr)}
+    mr = run_on_gloo_ranks(setup.mr_accelerators + setup.mr_workers, mrdho2_seeds, at_fosi_lr, data)
     for mode in setup.mr_modes:
-        curves[setup.mr_name(mode)] = mr[setup.mr_accelerators][mode]["curve"]
+        runs[setup.mr_name(mode)] = {run.seed: mr[setup.mr_accelerators][i][mode]["curve"]
+                                     for i, run in enumerate(at_fosi_lr)}
+    for name in (CONTROL_NAME, DHO2_NAME, *map(setup.mr_name, setup.mr_modes)):
+        run_lrs[name] = run_lrs["FOSI-Adam"]
 
     n_params = fosi_d["n"]
     m = setup.lanczos_iters
+    first = 0  # the shard sizes do not depend on the seed: those of the first
     shard_rows = [shard_row("FOSI-Adam (1 process)", 1, 0, n_params, m, fosi_d),
-                  shard_row("DHO2 (1 rank)", 1, 0, n_params, m, dho2[0]["memory_one_rank"])]
-    shard_rows += [shard_row(DHO2_NAME, world, r, n_params, m, dho2[r]["memory"]) for r in range(world)]
+                  shard_row("DHO2 (1 rank)", 1, 0, n_params, m, dho2[0][first]["memory_one_rank"])]
+    shard_rows += [shard_row(DHO2_NAME, world, r, n_params, m, dho2[r][first]["memory"]) for r in range(world)]
     shard_rows += [shard_row("MR-DHO2 accelerators", setup.mr_accelerators, r, n_params, m,
-                             mr[r][setup.mr_modes[0]]["memory"]) for r in range(setup.mr_accelerators)]
-    dho2_weights_rel = weight_drift(dho2[0]["weights"], curves["FOSI-Adam"])
-    ranks_agree = all(torch.equal(dho2[0]["weights"], d["weights"]) for d in dho2[1:])
+                             mr[r][first][setup.mr_modes[0]]["memory"]) for r in range(setup.mr_accelerators)]
+    ranks_agree = all(torch.equal(dho2[0][i]["weights"], d[i]["weights"])
+                      for d in dho2[1:] for i in range(len(at_fosi_lr)))
 
     harness.write_results(e1, out, "fosi_e1")
     digit_rows = []
-    for name, c in curves.items():
+    curves_by_run = [((name, lr), seed, c) for (name, lr, seed), c in sweep.items()]
+    curves_by_run += [((name, run_lrs[name]), seed, c) for name, by_seed in runs.items()
+                      if name not in ("Adam", "FOSI-Adam") for seed, c in by_seed.items()]
+    for (name, lr), seed, c in curves_by_run:
         for epoch, (loss, acc) in enumerate(zip(c["losses"], c["test_accs"]), 1):
-            row = {"method": name, "epoch": epoch, "train_loss": loss, "test_acc": acc}
+            row = {"method": name, "lr": lr, "seed": seed, "chosen": lr == run_lrs[name], "epoch": epoch,
+                   "train_loss": loss, "test_acc": acc}
             if "losses_before_merge" in c:
                 row["train_loss_before_merge"] = c["losses_before_merge"][epoch - 1]
             digit_rows.append(row)
     harness.write_results(digit_rows, out, "fosi_digits")
     harness.write_results(shard_rows, out, "fosi_dist")
-    comm = [row for result in dho2 for row in result["comm"]]
-    comm += [row for result in mr for mode in setup.mr_modes for row in result[mode]["comm"]]
+    comm = [row for rank in dho2 for result in rank for row in result["comm"]]
+    comm += [row for rank in mr for result in rank for mode in setup.mr_modes for row in result[mode]["comm"]]
     harness.write_results(comm, out, "fosi_comm")
 
     hb, fosi = best(e1, "HB", max_iters), best(e1, "FOSI-HB", max_iters)
     ratio = (hb / fosi) if hb and fosi else float("nan")
-    digits_lines, checks = digits_claims(setup, curves, shard_rows, dho2_weights_rel)
+    digits_lines, checks = digits_claims(setup, runs, run_lrs, sweep, shard_rows)
     checks.insert(0, harness.Claim(f"E1: FOSI-HB needs >= {E1_CLAIMED_RATIO}x fewer iterations than HB",
                                    ratio >= E1_CLAIMED_RATIO, f"ratio {ratio:.2f}"))
+    command = "python -m perf.fosi_experiment" + (" --smoke" if args.smoke else "") + (
+        "" if args.smoke or args.epochs == 8 else f" --epochs {args.epochs}") + (
+        "" if args.smoke or args.seeds == list(DEFAULT_SEEDS) else f" --seeds {' '.join(map(str, args.seeds))}")
     summary = [
         "# FOSI, DHO2 and MR-DHO2 experiments (CPU)", "",
-        f"E1 quadratic, n = {n}: best HB = {hb} iterations, best FOSI-HB = {fosi} iterations "
+        f"E1 quadratic, n = {n} (deterministic: one run per method and lr): each method at its own best lr of "
+        f"the one sweep {', '.join(f'{lr:g}' for lr in lrs)}, the one of fewest iterations: best HB = {hb} "
+        f"iterations, best FOSI-HB = {fosi} iterations "
         f"(ratio {ratio:.2f}; claim >= {E1_CLAIMED_RATIO}: "
         f"{'**holds**' if ratio >= E1_CLAIMED_RATIO else '**does not hold**'}). "
         f"-1 = diverged, {max_iters + 1} = not reached.", "",
         *digits_lines, "",
-        f"The two DHO2 ranks ended with {'bitwise identical' if ranks_agree else 'DIFFERENT'} weights. "
-        f"n = {n_params:,} parameters. Per-epoch curves: fosi_digits.csv; D shards: fosi_dist.csv; "
+        f"The two DHO2 ranks ended with {'bitwise identical' if ranks_agree else 'DIFFERENT'} weights on every "
+        f"seed. n = {n_params:,} parameters. Per-epoch curves: fosi_digits.csv; D shards: fosi_dist.csv; "
         "bytes per collective: fosi_comm.csv. Wall times are on a shared 2-core CPU, one thread per process.",
         "",
-        f"Command: `python -m perf.fosi_experiment{' --smoke' if args.smoke else ''}"
-        f"{'' if args.smoke or args.epochs == 8 else f' --epochs {args.epochs}'}` "
-        f"({time.perf_counter() - began:.0f} s in all, torch {torch.__version__}).",
+        f"Command: `{command}` ({time.perf_counter() - began:.0f} s in all, {harness.device_name()}, "
+        f"torch {torch.__version__}).",
     ]
     (out / "fosi_summary.md").write_text("\n".join(summary) + "\n")
     try:
-        plot(out / "fosi.png", e1, curves, [setup.mr_name(mode) for mode in setup.mr_modes])
+        plot(out / "fosi.png", e1, runs, run_lrs, [setup.mr_name(mode) for mode in setup.mr_modes])
     except ImportError:
         print("matplotlib is not installed: no plot written")
     print("\n".join(summary))
