@@ -86,8 +86,9 @@ E1_CLAIMED_RATIO = 3
 DHO2_NAME = "DHO2 (2 ranks)"
 CONTROL_NAME = "FOSI-Adam, gradient of 2 half-batches (rounding control)"
 DEFAULT_SEEDS = (0, 1, 2)
-# The digits sweep of Adam's and FOSI-Adam's lr: a factor of 3 either side of the earlier single lr 1e-3.
-DIGITS_LRS = (3e-4, 1e-3, 3e-3)
+# The digits sweep of Adam's and FOSI-Adam's lr, around the earlier single lr 1e-3; 1e-2 because Adam's best
+# landed on 3e-3 when that was the top of the grid.
+DIGITS_LRS = (3e-4, 1e-3, 3e-3, 1e-2)
 SMOKE_DIGITS_LRS = (1e-3, 3e-3)
 # Gloo collectives give up after this long (a rank that died would otherwise hang the others).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
