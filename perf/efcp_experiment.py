@@ -106,7 +106,7 @@ def mean_se(values) -> tuple[float, float]:
     return float(values.mean()), se
 
 
-def pm(mean: float, se: float, digits: int = 4) -> str:
+def pm(mean: float, se: float, digits: int = 6) -> str:
     return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
@@ -210,7 +210,7 @@ def summary_lines(summary, checks, args) -> list[str]:
         edge = " (grid edge)" if s["on_edge"] else ""
         lines.append(
             f"| {name} | {s['lr']:g}{edge} | {pm(*s['loss'])} | "
-            f"{' / '.join(f'{v:.4f}' for v in s['per_seed_loss'])} | {pm(*s['accuracy'], 2)} | "
+            f"{' / '.join(f'{v:.6f}' for v in s['per_seed_loss'])} | {pm(*s['accuracy'], 2)} | "
             f"{s['state_bytes'] / 2**20:.3f} | {s['ms_per_step']:.1f} |")
     lines += ["", "The sweep (every configuration run, mean ± SE over the seeds; * = chosen):", "",
               "| optimizer | lr | final train loss | test acc % |", "|---|---|---|---|"]
