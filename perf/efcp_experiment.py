@@ -29,7 +29,7 @@ A full run also measures S-MFAC's state at ResNet-18 size (d = 11,689,512, m = 1
 blocks of 16384) after one step on random gradients, next to the dense window's size
 (``efcp_resnet18_state.md``; about 1 GB of memory).
 
-Run from the repository root (about 8 minutes on 2 idle CPU cores)::
+Run from the repository root (about 6 minutes on 2 CPU cores)::
 
     python -m perf.efcp_experiment [--epochs 10] [--seeds 0 1 2] [--out perf/results/efcp]
     python -m perf.efcp_experiment --smoke     # seconds: checks the plumbing
