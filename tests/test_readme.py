@@ -133,7 +133,8 @@ def torchrun_scripts() -> list[tuple[Block, str, int, list[str], str]]:
 def test_torchrun_scripts_print_what_the_readme_shows(script, tmp_path):
     block, filename, ranks, variants, shown = script
     (tmp_path / filename).write_text(block.code)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack into the failure message
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
     printed = []
     for variant in variants:
