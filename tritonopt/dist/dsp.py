@@ -2,7 +2,7 @@
 
 Paper: Xu, Huo and Huang, "On the Acceleration of Deep Learning Model
 Parallelism with Staleness" (CVPR 2020), sec. 3. Rank ``k`` of ``group`` holds
-block ``k`` and its optimizer, and runs the stage loop (spec sec. 2.2)::
+block ``k`` and its optimizer, and runs the stage loop::
 
     for each action of stage_actions(m_k, ...):           # batch-id driven, deterministic
         forward t          : x = inputs[t] (rank 0) or the activation of t from rank k - 1
@@ -49,7 +49,7 @@ compute phase (``/recompute``, ``/autograd`` and ``/update`` inside; with
 ``recompute="overlap"``, ``/recompute`` in the worker and ``/wait_recompute`` for it), ``/send``,
 ``/wait_activation`` and ``/wait_gradient``.
 
-Memory per rank (spec sec. 2.6; :meth:`DSPStage.memory_report`): one copy of the
+Memory per rank (:meth:`DSPStage.memory_report`): one copy of the
 block's weights, gradients and optimizer state; the input queue, ``m_k`` inputs
 of ``B * s_in * b`` bytes between steps (one more during a step), and their RNG
 states; one receive buffer for the next activation and two for gradients.
@@ -535,7 +535,7 @@ class DSPStage:
         return self._compute.version
 
     def memory_report(self) -> dict[str, int]:
-        """What this stage holds, in bytes (spec sec. 2.6).
+        """What this stage holds, in bytes.
 
         ``queue_bytes`` (the stored inputs now), ``peak_queue_bytes`` (their most
         between steps) and ``expected_queue_bytes`` (``m_k * B * s_in * b``);

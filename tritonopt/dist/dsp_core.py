@@ -24,7 +24,7 @@ with ``m_k = 0`` (sequential model-parallel back-propagation, "BP-K") keeps the
 forward's graph for the one batch in flight. Both give the same numbers a
 recomputation would, without its cost.
 
-Stochastic layers (spec sec. 2.5). The RNG state (CPU, and the CUDA device's when
+Stochastic layers. The RNG state (CPU, and the CUDA device's when
 the input is on CUDA) is saved before each graph-free forward and restored for
 its recomputation, so dropout draws the same masks and the recomputed graph is
 the one whose output went to the next stage. The caller's RNG stream continues
@@ -41,7 +41,7 @@ Overlapped recompute (paper sec. 3.3; ``recompute="overlap"``): the recomputatio
 ``t - m_k`` runs beside the forward of ``t``, with the serial results bit for bit, or runs
 serially where it could differ; :mod:`tritonopt.dist.dsp_overlap` holds it.
 
-Memory (spec sec. 2.6). Between steps ``M_k`` holds ``m_k`` inputs, so the
+Memory. Between steps ``M_k`` holds ``m_k`` inputs, so the
 queue costs ``m_k * B * s_in * b`` bytes (batch ``B``, ``s_in`` elements per
 sample of the block's input, ``b`` bytes per element); within a step it briefly
 holds one more (the forward of ``t`` precedes the backward of ``t - m_k``).

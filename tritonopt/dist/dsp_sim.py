@@ -7,7 +7,7 @@ FIFO channels (copied, contiguous, as a transport would). Each stage's result
 depends only on what it receives and in which order, so any interleaving of the
 stages gives the same numbers: a run of ``K`` gloo processes with the same
 staleness, data and seeds (and the same intra-op thread count) is reproduced
-bit for bit, whatever the processes' timing (spec sec. 2.2, 2.4).
+bit for bit, whatever the processes' timing.
 
 RNG. With ``seeds=None`` the stages draw (dropout) from the calling process's
 stream in the simulator's round-robin order; with all staleness 0 this is the

@@ -12,8 +12,7 @@ Two ways in:
 
 The paper balances the blocks by hand (sec. 3.3, 5.1); with DSP a non-last block
 runs forward + recompute + backward per batch and the last block forward +
-backward, so the last block can carry about 4/3 of the others' forward cost
-(spec sec. 2.7).
+backward, so the last block can carry about 4/3 of the others' forward cost.
 """
 
 from __future__ import annotations
