@@ -101,8 +101,11 @@ def summarise(rows: list[dict]) -> dict:
         ms = [statistics.fmean(r["ms_per_step"] for r in rows
                                if r["run"] == run and r["lr"] == lr and r["seed"] == seed)
               for seed in (m["seed"] for m in mine)]
+        swept = sorted({r["lr"] for r in rank0(rows, run)})
         summary[run] = {
             "best_lr": lr,
+            # Still on the edge after the widening: a better lr may lie beyond the grid.
+            "best_lr_on_edge": len(swept) > 1 and lr in (swept[0], swept[-1]),
             "sweep": {x: mean_se(r["test_accuracy"] for r in rank0(rows, run, x))
                       for x in sorted({r["lr"] for r in rank0(rows, run)})},
             "seeds": [r["seed"] for r in mine],
@@ -211,6 +214,9 @@ def markdown(summary: dict, checks: list[harness.Claim], *, smoke: bool, command
               "seeds, the smaller on a tie). A best lr on the grid's edge adds the next lr beyond it, at most "
               f"{MAX_WIDENINGS} time(s) per hook."), ""]
     lines += sweep_lines(summary)
+    on_edge = [f"{run} (lr {s['best_lr']:g})" for run, s in summary.items() if s["best_lr_on_edge"]]
+    lines += ["", "Best lr still on the edge of its hook's grid after the widening: "
+              + (", ".join(on_edge) if on_edge else "none") + "."]
     lines += ["", "## Each hook at its best lr", "",
               ("Bytes sent per rank over the run (all-reduce: the tensor; all-gather: the input). ms/step: two "
                "processes sharing the machine, the ops' CPU reference path (reported, not claimed; not GPU "

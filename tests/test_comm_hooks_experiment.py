@@ -176,3 +176,13 @@ def test_the_command_line_refuses_what_it_cannot_run(argv, message, capsys):
         experiment.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_best_lr_left_on_the_grids_edge_is_flagged():
+    report = perf_module("_comm_hooks_report")
+    rows = _rows(lambda run, lr, seed: (lr if run == "EF Top-k 1%" else -abs(lr - 0.05)) + seed,
+                 lrs=(0.025, 0.05, 0.1))
+    summary = report.summarise(rows)
+    assert summary["EF Top-k 1%"]["best_lr_on_edge"] and not summary["no compression"]["best_lr_on_edge"]
+    text = "\n".join(report.markdown(summary, [], smoke=False, command="c", header="h", seconds=1.0))
+    assert "after the widening: EF Top-k 1% (lr 0.1)." in text
