@@ -51,8 +51,10 @@ def mean_se(values) -> tuple[float, float]:
     return mean, se
 
 
-def pm(mean: float, se: float, digits: int = 2) -> str:
-    return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
+def pm(mean: float, se: float, digits: int = 2, signed: bool = False) -> str:
+    """``mean ± se`` (the mean alone where the error is NaN); ``signed``: a difference, with its sign."""
+    text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
+    return text if math.isnan(se) else f"{text} ± {se:.{digits}f}"
 
 
 def difference(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -151,7 +153,7 @@ def claims(rows: list[dict], summary: dict) -> list[harness.Claim]:
         diff, se = difference(s["per_seed_accuracy"], base["per_seed_accuracy"])
         seeds = min(len(s["seeds"]), len(base["seeds"]))
         accuracy_detail = (f"{pm(*s['test_accuracy'])} at lr {s['best_lr']:g} vs {pm(*base['test_accuracy'])} at "
-                           f"lr {base['best_lr']:g}: {pm(diff, se)} points")
+                           f"lr {base['best_lr']:g}: {pm(diff, se, signed=True)} points")
         if seeds < MIN_SEEDS:
             accuracy_detail += f"; {seeds} seed(s), fewer than the {MIN_SEEDS} a claim needs"
         checks += [
@@ -192,7 +194,7 @@ def result_lines(summary: dict) -> list[str]:
         ratio = f"{base['bytes_sent'][0] / s['bytes_sent'][0]:.1f}x" if base else "-"
         diff = "-"
         if base and run != BASELINE:
-            diff = pm(*difference(s["per_seed_accuracy"], base["per_seed_accuracy"]))
+            diff = pm(*difference(s["per_seed_accuracy"], base["per_seed_accuracy"]), signed=True)
         mib = tuple(v / 2**20 for v in s["bytes_sent"])
         kib = tuple(v / 2**10 for v in s["bytes_per_step_after_warmup"])
         body.append([run, f"{s['best_lr']:g}", pm(*s["test_accuracy"]),

@@ -89,6 +89,10 @@ def test_parity_fails_far_above_as_well_as_far_below():
     assert _verdict(better) == 1
     close = _rows(lambda run, lr, seed: (97.9 if run == "EF low-rank r4" else 97.0) + 0.1 * seed)
     assert _verdict(close) == 0
+    report = perf_module("_comm_hooks_report")
+    details = {c.text: c.detail for c in report.claims(better, report.summarise(better))}
+    assert details["EF low-rank r4 test accuracy within 1 pt of no compression, either way"].endswith(
+        ": +1.50 ± 0.08 points")
 
 
 def test_each_hook_is_judged_at_its_own_best_learning_rate():
