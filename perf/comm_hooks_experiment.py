@@ -32,8 +32,8 @@ Claims checked (exit status 1 if one fails):
 * each compressed hook's mean test accuracy is within 1 point of no compression's, above or
   below, with at least 3 seeds (the bound's reasoning is beside ``ACCURACY_POINTS``).
 
-ms/step is reported, not claimed. Run from the repository root (about 10 minutes on 2 idle
-CPU cores)::
+ms/step is reported, not claimed. Run from the repository root (about 2 minutes on 2 CPU
+cores)::
 
     python -m perf.comm_hooks_experiment [--epochs 10] [--seeds 0 1 2] [--lrs ...] [--warmup 45] [--out DIR]
     python -m perf.comm_hooks_experiment --smoke     # seconds: checks the plumbing
