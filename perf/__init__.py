@@ -16,7 +16,8 @@ The modules whose names start with an underscore are not scripts. Shared by seve
 ``_harness`` (the facade over ``_cli``, ``_device``, ``_timing``, ``_bench_cases``, ``_records``
 and ``_claims``: command line, timing, floors, providers, NVTX, results, claims), ``_ranks``
 (gloo ranks in processes of their own), ``_digits`` (the digits task), ``_optimizers`` (the
-optimizers as train steps), ``_models`` (ResNets) and ``_as_module`` (the file entry point).
+optimizers as train steps), ``_models`` (ResNets), ``_stats`` (mean and standard error over seeds) and ``_as_module`` (the file
+entry point).
 One experiment's parts: ``_ssd_sgd_train``, ``_ssd_sgd_link`` and ``_ssd_sgd_report`` (the
 SSD-SGD experiment's runs, link model and report); ``_dsp_setup``, ``_dsp_accuracy`` and
 ``_dsp_timing`` (the DSP experiment's task, accuracy sweep and timed modes).

@@ -19,6 +19,7 @@ import statistics
 import numpy as np
 
 from perf import _harness as harness
+from perf._stats import mean_se, pm
 
 RUNS = ("no compression", "torch PowerSGD r4", "EF Top-k 1%", "EF low-rank r4")
 BASELINE = RUNS[0]
@@ -39,22 +40,6 @@ ACCURACY_POINTS = 1.0
 
 
 # --------------------------------------------------------------------------- statistics
-
-
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (sample std / sqrt(n)); the error is NaN for one value."""
-    values = [float(v) for v in values]
-    if not values:
-        raise ValueError("mean_se needs at least one value")
-    mean = statistics.fmean(values)
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
-    return mean, se
-
-
-def pm(mean: float, se: float, digits: int = 2, signed: bool = False) -> str:
-    """``mean ± se`` (the mean alone where the error is NaN); ``signed``: a difference, with its sign."""
-    text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
-    return text if math.isnan(se) else f"{text} ± {se:.{digits}f}"
 
 
 def difference(a: list[float], b: list[float]) -> tuple[float, float]:

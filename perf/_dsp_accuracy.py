@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from perf import _harness as harness
+from perf._stats import mean_se
 from perf._dsp_setup import (
     BP,
     Sizes,
@@ -47,7 +48,6 @@ from perf._dsp_setup import (
     epoch_batches,
     make_data,
     make_model,
-    mean_se,
     stages_of,
     staleness_origin,
     test_accuracy,

@@ -13,7 +13,6 @@ Kaiming-normal x0.5 init, the classifier at zero (initial loss ln 10).
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 
@@ -139,15 +138,6 @@ def test_accuracy(model: nn.Module, sizes: Sizes) -> float:
 
 test_accuracy.__test__ = False  # not a pytest test, though its name starts with "test"
 
-
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (sample standard deviation / sqrt(n)); the error is nan for one value."""
-    values = [float(v) for v in values]
-    if not values:
-        raise ValueError("mean_se needs at least one value")
-    if len(values) == 1:
-        return values[0], math.nan
-    return statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
 def spread(values) -> tuple[float, float, float]:

@@ -42,6 +42,7 @@ from torch import nn
 
 from perf import _harness as harness
 from perf import _ranks as ranks
+from perf._stats import mean_se
 from perf._dsp_setup import (
     BP,
     BPK,
@@ -52,7 +53,6 @@ from perf._dsp_setup import (
     gpipe_name,
     make_data,
     make_model,
-    mean_se,
     one_f_one_b_name,
     spread,
     stages_of,

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from perf import _harness as harness
+from perf._stats import mean_se, pm
 
 SSGD = "SSGD"
 POST_LOCAL = "post-local SGD, period 5"
@@ -41,16 +42,6 @@ NOT_WORSE_SE = 2.0  # GLU is judged "not worse" than an ablation unless it is be
 
 # --------------------------------------------------------------------------- statistics
 
-
-def mean_se(values) -> tuple[float, float]:
-    values = list(values)
-    mean = statistics.fmean(values)
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
-    return mean, se
-
-
-def pm(mean: float, se: float, digits: int = 2) -> str:
-    return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
 def rows_of(rows, phase: str, run: str, lr: Optional[float] = None) -> list[dict]:

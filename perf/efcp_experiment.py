@@ -51,6 +51,8 @@ import numpy as np
 import torch
 
 from perf import _harness as harness
+from perf._stats import mean_se
+from perf import _stats as stats
 from perf import _optimizers as optimizers
 from perf._digits import load_digits_split, make_mlp, steps_per_epoch, train
 
@@ -95,20 +97,8 @@ def train_one(name, lr, data, seed, epochs, max_steps=None, progress=None) -> di
 # --------------------------------------------------------------------------- statistics
 
 
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (sample std / sqrt(n)); the SE is NaN for one value."""
-    values = np.asarray([float(v) for v in values])
-    if values.size == 0:
-        raise ValueError("mean_se needs at least one value")
-    # numpy, not statistics: a diverged run's NaN or inf must give a NaN figure, not an exception.
-    with np.errstate(invalid="ignore"):
-        se = float(values.std(ddof=1) / math.sqrt(values.size)) if values.size > 1 else float("nan")
-    return float(values.mean()), se
-
-
 def pm(mean: float, se: float, digits: int = 6) -> str:
-    return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
-
+    return stats.pm(mean, se, digits)
 
 def difference(a, b) -> tuple[float, float]:
     """Mean of ``a`` minus mean of ``b``, and the SE of that difference (independent seeds' runs)."""

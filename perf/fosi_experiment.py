@@ -65,11 +65,12 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from perf import _harness as harness
+from perf._stats import mean_se
+from perf import _stats as stats
 from perf import _ranks as ranks
 from perf._digits import TRAIN_SIZE, evaluate, load_digits_split, make_mlp, train
 from perf._optimizers import FosiStep, fosi_hyperparameters
@@ -355,20 +356,8 @@ def weight_drift(weights: torch.Tensor, reference: dict) -> float:
     return float((weights - reference["weights"]).norm() / (reference["weights"] - reference["w0"]).norm())
 
 
-def mean_se(values) -> tuple[float, float]:
-    """Mean and standard error (sample std / sqrt(n)) over the seeds; the SE is NaN for one value."""
-    values = np.asarray([float(v) for v in values])
-    if values.size == 0:
-        raise ValueError("mean_se needs at least one value")
-    # numpy, not statistics: a diverged run's NaN or inf must give a NaN figure, not an exception.
-    with np.errstate(invalid="ignore"):
-        se = float(values.std(ddof=1) / math.sqrt(values.size)) if values.size > 1 else float("nan")
-    return float(values.mean()), se
-
-
 def pm(mean: float, se: float, digits: int = 5) -> str:
-    return f"{mean:.{digits}f}" if math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
-
+    return stats.pm(mean, se, digits)
 
 def best_lr(sweep: dict, method: str) -> float:
     """The rule, fixed before any result: the lr of lowest mean final train loss over the seeds
