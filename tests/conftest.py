@@ -41,6 +41,27 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def to_backend_device(backend: str, value):
+    """``value``, built on the CPU, on :func:`backend_device`: the same numbers where ``backend`` runs.
+
+    A tensor is copied there, a parameter becomes a leaf parameter there, a module is
+    moved in place, and lists and tuples are mapped item by item. What is already
+    there comes back as it is: on a machine without a GPU nothing changes.
+    """
+    target = backend_device(backend)
+    if isinstance(value, torch.nn.Module):
+        return value.to(target)
+    if isinstance(value, torch.nn.Parameter):
+        if value.device == target:
+            return value
+        return torch.nn.Parameter(value.detach().to(target), requires_grad=value.requires_grad)
+    if isinstance(value, torch.Tensor):
+        return value.to(target)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_backend_device(backend, v) for v in value)
+    return value
+
+
 def _map_tensors(value, fn):
     if isinstance(value, torch.Tensor):
         return fn(value)
