@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from _helpers import BACKENDS, flat, gradient_stream, make_params, set_grads
+from conftest import to_backend_device
 from torch import nn
 
 import tritonopt
@@ -60,7 +61,7 @@ def test_flat_steps_match_torch_sgd_over_a_run(backend, settings):
     initial = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(5)]
     torch_params = [nn.Parameter(w.clone()) for w in initial]
-    flat_params = [nn.Parameter(w.clone()) for w in initial]
+    flat_params = to_backend_device(backend, [nn.Parameter(w.clone()) for w in initial])
     torch_opt = torch.optim.SGD(torch_params, foreach=False, **settings)
     flat_opt = FlatSGD(flat_params, **settings)
     lr, momentum = settings["lr"], settings.get("momentum", 0.0)
@@ -74,7 +75,7 @@ def test_flat_steps_match_torch_sgd_over_a_run(backend, settings):
                 p.grad = g.clone()
             torch_opt.step()
             flat_opt.zero_grad()
-            for p, g in zip(flat_params, step_grads):
+            for p, g in zip(flat_params, to_backend_device(backend, step_grads)):
                 p.grad.copy_(g)
             flat_opt.step()
             for i, p in enumerate(torch_params):
@@ -89,7 +90,7 @@ def test_flat_steps_match_torch_sgd_over_a_run(backend, settings):
                     d, error_d = a, wd * error_w[i]
                 error_w[i] = error_w[i] + lr * error_d + 18 * UNIT_ROUNDOFF * (before[i] + lr * d)
     for tp, fp, bound in zip(torch_params, flat_params, error_w):
-        assert ((tp.detach().double() - fp.detach().double()).abs() <= bound).all()
+        assert ((tp.detach().double() - fp.detach().cpu().double()).abs() <= bound).all()
 
 
 def storage_offsets(tensors) -> list[tuple[int, int]]:
@@ -172,9 +173,9 @@ def test_each_group_is_its_own_flat_buffer_with_its_own_hyperparameters():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_narrow_parameters_are_stepped_in_float32_and_rounded_once(backend, dtype):
     """The op on a float32 copy of the flat parameters, rounded to their dtype after each step."""
-    params = make_params(dtype=dtype)
-    stream = gradient_stream(steps=3, dtype=dtype)
-    wide = flat(make_params(dtype=dtype)).detach().float()
+    params = to_backend_device(backend, make_params(dtype=dtype))
+    stream = to_backend_device(backend, gradient_stream(steps=3, dtype=dtype))
+    wide = to_backend_device(backend, flat(make_params(dtype=dtype)).detach().float())
     buffer = torch.zeros_like(wide)
     opt = FlatSGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2)
     with tritonopt.use_backend(backend):
