@@ -52,3 +52,41 @@ def test_the_bench_phase_runs_every_kernel_benchmark(tmp_path):
     assert sorted(ran) == expected and "perf.bench_ssd_sgd" in ran
     summary = (tmp_path / "summary.tsv").read_text().splitlines()
     assert summary[0] == "phase\texit\tseconds" and len(summary) == 1 + len(expected)
+
+
+def _recording_python(tmp_path, seconds: int = 0):
+    """A stand-in python that records the modules it is asked to run, each taking ``seconds``."""
+    recorder = tmp_path / "python"
+    recorder.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -m ]; then echo "$2" >> {tmp_path}/ran; sleep {seconds}; exit 0; fi\n'
+                        f'exec {sys.executable} "$@"\n')
+    recorder.chmod(0o755)
+    return recorder
+
+
+@pytest.mark.smoke
+def test_a_phase_may_name_one_benchmark_and_an_unknown_one_is_refused(tmp_path):
+    env = {**os.environ, "PYTHON": str(_recording_python(tmp_path)), "LOG_DIR": str(tmp_path)}
+    result = subprocess.run(["bash", str(SCRIPT), "bench_ssd_sgd", "bench_kfac"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "ran").read_text().split() == ["perf.bench_ssd_sgd", "perf.bench_kfac"]
+    refused = subprocess.run(["bash", str(SCRIPT), "bench_no_such_op"], cwd=REPO_ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "unknown phase bench_no_such_op" in refused.stdout
+
+
+@pytest.mark.smoke
+def test_phases_past_the_deadline_are_skipped_and_recorded(tmp_path):
+    # Each stand-in benchmark would take 60 s; the deadline (counted from the script's start, which spends a
+    # few seconds naming the device) stops the first at the time left and skips the rest, so a machine lent
+    # for a fixed time is never taken back in the middle of writing the results.
+    env = {**os.environ, "PYTHON": str(_recording_python(tmp_path, seconds=60)), "LOG_DIR": str(tmp_path),
+           "DEADLINE": "15"}
+    result = subprocess.run(["bash", str(SCRIPT), "bench_ssd_sgd", "bench_kfac", "e2e"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split("\t") for line in (tmp_path / "summary.tsv").read_text().splitlines()[1:]]
+    assert [row[0] for row in rows] == ["bench_ssd_sgd", "bench_kfac", "e2e"]
+    assert rows[0][1] == "124" and int(rows[0][2]) <= 15
+    assert rows[1][1] == rows[2][1] == "skipped" and "skipped, the DEADLINE of 15 s has passed" in result.stdout
+    assert (tmp_path / "ran").read_text().split()[0] == "perf.bench_ssd_sgd"
