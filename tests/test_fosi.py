@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 from _fosi_problems import flat, make_problem, train, one_thread  # noqa: F401  (fixture)
-from conftest import triton_runs_here
+from conftest import backend_device, triton_runs_here
 
 import tritonopt
 from tritonopt.optim.fosi import FOSI
@@ -73,13 +73,16 @@ def test_one_step_geometry_on_the_optimizer():
 @pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 def test_triton_and_reference_paths_agree():
     out = {}
+    device = backend_device("triton")  # both runs there: the same forward and backward, only the ops differ
     for backend in ("reference", "triton"):
         model, loss_fn = make_problem(3)
+        model.to(device)  # in place: the loss holds the same module
+        loss_fn.x, loss_fn.y = loss_fn.x.to(device), loss_fn.y.to(device)
         opt = FOSI(model.parameters(), lr=1e-2, k=3, warmup_steps=1, curvature_update_every=3,
                    curvature_loss_fn=loss_fn, num_lanczos_iters=12, lanczos_dtype=torch.float32)
         with tritonopt.use_backend(backend):
             train(model, opt, loss_fn, 5)
-        out[backend] = (flat(model), opt.eigenvalues, opt.state_dict()["state"][0]["exp_avg"])
+        out[backend] = [t.cpu() for t in (flat(model), opt.eigenvalues, opt.state_dict()["state"][0]["exp_avg"])]
     for x, y in zip(out["reference"], out["triton"]):
         assert torch.allclose(x.double(), y.double(), rtol=1e-4, atol=1e-5)
 
