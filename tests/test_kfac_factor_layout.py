@@ -10,6 +10,7 @@ unpadded factors, and that memory reports count the padding.
 import pytest
 import torch
 from _helpers import needs_triton
+from conftest import backend_device
 from torch import nn
 
 import tritonopt
@@ -28,15 +29,15 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT_FEATURES))
 
 
-def train(precond_type=KFACPreconditioner, steps: int = 3, **kwargs):
-    """``steps`` preconditioned steps of :func:`make_model`: (model, preconditioner, gradients per step)."""
-    model = make_model()
+def train(precond_type=KFACPreconditioner, steps: int = 3, device: torch.device = torch.device("cpu"), **kwargs):
+    """``steps`` preconditioned steps of :func:`make_model` on ``device``: (model, preconditioner, gradients per step)."""
+    model = make_model().to(device)
     precond = precond_type(model, damping=0.01, **kwargs)
     generator = torch.Generator().manual_seed(1)
     grads = []
     for _ in range(steps):
         model.zero_grad()
-        x = torch.randn(24, IN_FEATURES, generator=generator)
+        x = torch.randn(24, IN_FEATURES, generator=generator).to(device)
         model(x).square().sum().backward()
         assert precond.step()
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -84,12 +85,13 @@ def test_kernels_read_into_the_row_padding_only_where_the_storage_holds_it():
 @needs_triton
 @pytest.mark.parametrize("decay", [0.0, 0.75])
 def test_triton_ops_on_padded_factors_match_contiguous_ones_bit_for_bit(decay):
+    device = backend_device("triton")
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(40, 130, generator=generator)
+    x = torch.randn(40, 130, generator=generator).to(device)
     old = torch.randn(131, 131, generator=generator)
-    old = old + old.T
+    old = (old + old.T).to(device)
     contiguous = old.clone()
-    padded = factor_buffer(131)
+    padded = factor_buffer(131, device=device)
     padded.copy_(old)
     with tritonopt.use_backend("triton"):
         tritonopt.ops.kfac_factor_update(contiguous, x, decay, append_bias=True, scale=0.5)
@@ -98,16 +100,17 @@ def test_triton_ops_on_padded_factors_match_contiguous_ones_bit_for_bit(decay):
         packed = tritonopt.ops.triu_pack(padded, torch.bfloat16)
         assert torch.equal(packed, tritonopt.ops.triu_pack(contiguous, torch.bfloat16))
     padding = torch.as_strided(padded, (131, 1), (132, 1), padded.storage_offset() + 131)
-    assert torch.equal(padding, torch.zeros(131, 1)), "the padding is never written"
+    assert torch.equal(padding.cpu(), torch.zeros(131, 1)), "the padding is never written"
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
 def test_preconditioner_stores_padded_factors_and_computes_the_same_bits(backend, monkeypatch):
+    device = backend_device(backend)
     with tritonopt.use_backend(backend):
-        _, precond, grads = train()
+        _, precond, grads = train(device=device)
         with monkeypatch.context() as patch:
             unpadded(patch)
-            _, plain, plain_grads = train()
+            _, plain, plain_grads = train(device=device)
     for layer in precond.layers:
         for factor in (layer.a_factor, layer.g_factor, layer.a_batch, layer.g_batch):
             assert factor.stride() == (factor_row_stride(factor.shape[0]), 1)
