@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 from _helpers import needs_triton
+from conftest import backend_device
 from torch import nn
 
 import tritonopt
@@ -201,6 +202,8 @@ def test_triton_and_reference_paths_agree_over_steps():
     torch.manual_seed(5)
     base = nn.Sequential(nn.Conv2d(1, 2, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3))
     x, y = torch.randn(3, 4, 1, 5, 5), torch.randint(0, 3, (3, 4))
+    device = backend_device("triton")  # both runs there: the same forward and backward, only the ops differ
+    base, x, y = base.to(device), x.to(device), y.to(device)
     runs = {}
     for backend in ("triton", "reference"):
         model = copy.deepcopy(base)
