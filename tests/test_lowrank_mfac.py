@@ -4,6 +4,7 @@
 import pytest
 import torch
 from _helpers import BACKENDS, make_params, set_grads
+from conftest import to_backend_device
 
 import tritonopt
 from tritonopt.optim import MFAC, LowRankMFAC
@@ -31,11 +32,11 @@ def low_rank_stream(shapes, steps, rank, seed=1):
 def test_exactly_low_rank_gradients_give_dense_mfac(backend):
     # Multi-layer: the scalar products add per-tensor Frobenius products (cross-layer, "global").
     hyper = dict(lr=0.05, ngrads=4, damp=0.5, momentum=0.5, weight_decay=0.1)
-    params_l, params_d = make_params(SHAPES), make_params(SHAPES)
+    params_l, params_d = to_backend_device(backend, (make_params(SHAPES), make_params(SHAPES)))
     lowrank = LowRankMFAC(params_l, rank=2, **hyper)
     dense = MFAC(params_d, **hyper)
     with tritonopt.use_backend(backend):
-        for grads in low_rank_stream(SHAPES, 7, rank=2):
+        for grads in to_backend_device(backend, low_rank_stream(SHAPES, 7, rank=2)):
             set_grads(params_l, grads)
             set_grads(params_d, grads)
             lowrank.step()
