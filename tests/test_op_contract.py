@@ -44,10 +44,25 @@ def _cases(info) -> list:
     return cases + list(info.bad)
 
 
+def _moved(value: torch.Tensor, target) -> torch.Tensor:
+    """``value`` on ``target`` with its sizes and strides, so a bad layout reaches the op as written.
+
+    ``.to`` keeps a dense layout (a transpose) but makes a view with gaps (``x[::2]``) contiguous:
+    such a view is rebuilt on ``target`` from its whole storage instead.
+    """
+    moved = value.to(target)
+    if moved.stride() == value.stride():
+        return moved
+    with torch.no_grad():
+        storage = value.as_strided((value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
+        moved = storage.to(target, copy=True).as_strided(value.size(), value.stride(), value.storage_offset())
+    return moved.requires_grad_(value.requires_grad)
+
+
 def _on(backend: str, call: dict) -> dict:
-    """The call's CPU tensors moved to where ``backend`` runs (meta tensors stay on meta)."""
+    """The call's CPU tensors moved, layout and all, to where ``backend`` runs (meta tensors stay on meta)."""
     target = backend_device(backend)
-    return {name: value.to(target) if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
+    return {name: _moved(value, target) if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
             for name, value in call.items()}
 
 
@@ -56,6 +71,25 @@ BAD_CASES = [
     for info in OPS
     for description, changes, exception, word in _cases(info)
 ]
+
+
+STRIDED_CASE_TENSORS = [
+    pytest.param(value, id=f"{info.name}-{description}-{name}")
+    for info in OPS
+    for description, changes, _, _ in _cases(info)
+    if isinstance(changes, dict)
+    for name, value in changes.items()
+    if isinstance(value, torch.Tensor) and not value.is_contiguous()
+]
+
+
+@pytest.mark.parametrize("value", STRIDED_CASE_TENSORS)
+def test_a_case_moved_to_another_device_keeps_its_layout(value):
+    # On a GPU the Triton cases run on CUDA copies; "meta" is another device on every machine.
+    moved = _moved(value, "meta")
+    assert moved.device.type == "meta"
+    assert (moved.shape, moved.stride(), moved.dtype) == (value.shape, value.stride(), value.dtype)
+    assert not moved.is_contiguous()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -86,7 +120,7 @@ def _outputs(result) -> list:
 @pytest.mark.parametrize("info", OPS, ids=lambda info: info.name)
 def test_meta_inputs_give_meta_outputs_of_the_real_shapes(info):
     real = _outputs(info.op(**info.sample()))
-    meta_call = {name: value.to("meta") if isinstance(value, torch.Tensor) else value
+    meta_call = {name: _moved(value, "meta") if isinstance(value, torch.Tensor) else value
                  for name, value in info.sample().items()}
     fake = _outputs(info.op(**meta_call))
     assert [t.shape for t in fake] == [t.shape for t in real]
