@@ -220,8 +220,10 @@ def test_scripts_do_not_edit_sys_path():
         assert "sys.path" not in path.read_text(), path.name
 
 
-def test_a_shape_out_of_gpu_memory_is_skipped(tmp_path, capsys):
+@pytest.mark.parametrize("primary", [None, "reference", "triton"], ids=["this-machine", "reference", "triton"])
+def test_a_shape_out_of_gpu_memory_is_skipped(tmp_path, capsys, primary):
     harness = perf_module("_harness")
+    bench_cases = perf_module("_bench_cases")
 
     def too_large():
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
@@ -231,9 +233,16 @@ def test_a_shape_out_of_gpu_memory_is_skipped(tmp_path, capsys):
         return harness.Case(op="scale", shape={"n": 1024}, floor_bytes=8 * 1024,
                             reference=lambda: (lambda: x * 2), torch=lambda: (lambda: x.mul(2)))
 
-    status = harness.run_benchmark(
-        name="scale", parser=harness.bench_parser("scale", smoke_help="small"), argv=["--smoke", "--out", str(tmp_path)],
-        cases=lambda args, context: [too_large, small], shape_columns=("n",), plots=[])
+    # None: the primary this machine's device gives (triton on a GPU, reference on the CPU); else that one.
+    chosen = primary or harness.primary_backend(harness.default_device())
+    with mock.patch.object(bench_cases, "primary_backend", lambda device: chosen):
+        status = harness.run_benchmark(
+            name="scale", parser=harness.bench_parser("scale", smoke_help="small"),
+            argv=["--smoke", "--out", str(tmp_path)], cases=lambda args, context: [too_large, small],
+            shape_columns=("n",), plots=[])
     assert status == 0
     assert "skipped too_large(): out of GPU memory" in capsys.readouterr().out
-    assert {row["provider"] for row in read_csv(tmp_path / "scale.csv")} == {"reference", "torch", "floor"}
+    # The primary's own provider is timed only where the case declares it: this case has a reference and
+    # no triton launcher, so under a triton primary (a GPU) only torch and the floor remain.
+    expected = {"torch", "floor"} | ({"reference"} if chosen == "reference" else set())
+    assert {row["provider"] for row in read_csv(tmp_path / "scale.csv")} == expected
