@@ -55,3 +55,23 @@ def test_a_wrong_call_shape_is_a_type_error_every_time():
             probe(X)
         with pytest.raises(TypeError):
             probe(X, 1.0, colour="red")
+
+
+def test_the_dispatcher_schema_declares_no_defaults_and_gets_every_argument():
+    # torch up to 2.12 drops trailing arguments equal to their schema defaults when a custom op
+    # redispatches, then looks up each mutated argument by its position and fails (IndexError) on
+    # one left at its default: ssd_sgd_step's and fosi_step's optional buffers on meta tensors, in
+    # opcheck and under torch.compile. With no defaults in the schema nothing can be dropped.
+    from tritonopt import ops
+
+    for name in ops.__all__:
+        op = getattr(ops, name)
+        if getattr(op, "custom_op", None) is None:
+            continue
+        schema = op.custom_op._opoverload._schema
+        assert all(not argument.has_default_value() for argument in schema.arguments), (name, str(schema))
+    full = ops.ssd_sgd_step.dispatcher_arguments(
+        X, X, X, lr=0.1, momentum=0.9, weight_decay=0.0, local_lr=0.1, local_weight_decay=0.0,
+        glu_alpha=1.0, glu_beta=0.0, sync_coef=1.0)
+    assert len(full) == len(ops.ssd_sgd_step.custom_op._opoverload._schema.arguments)
+    assert full[-5:-2] == (None, None, None) and full[-2:] == (False, 1.0)

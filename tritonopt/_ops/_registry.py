@@ -124,8 +124,14 @@ class Op:
         self._plans: dict[tuple, tuple] = {}
         # torch.library refuses keyword-only tensors: the dispatcher's schema takes every
         # argument by position or name, and its calls are mapped back to the Python signature.
+        # The schema declares no defaults and every call through it gives every argument: torch
+        # up to 2.12 drops trailing arguments equal to their defaults when it redispatches, and
+        # then fails to find a mutated one left at its default (IndexError).
         self._schema_signature = self.signature.replace(
-            parameters=[p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in parameters]
+            parameters=[
+                p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD, default=inspect.Parameter.empty)
+                for p in parameters
+            ]
         )
         self.custom_op = None
         if not composite:
@@ -219,14 +225,23 @@ class Op:
                 return False
         return True
 
+    def dispatcher_arguments(self, *args, **kwargs) -> tuple:
+        """A call's arguments as the dispatcher's schema takes them: all of them, by position."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    def _through_dispatcher(self, args: tuple, kwargs: dict):
+        return self.custom_op(*self.dispatcher_arguments(*args, **kwargs))
+
     def __call__(self, *args, **kwargs):
         if self.custom_op is not None and torch.compiler.is_compiling():
-            return self.custom_op(*args, **kwargs)
+            return self._through_dispatcher(args, kwargs)
         self.contract(*args, **kwargs)
         if self.custom_op is None or self._eager_path(args, kwargs):
             args, kwargs = self._complete(self.signature, args, kwargs)
             return self._run(*args, **kwargs)
-        return self.custom_op(*args, **kwargs)
+        return self._through_dispatcher(args, kwargs)
 
     def __repr__(self) -> str:
         return f"<tritonopt op {self.name}{self.signature}>"
