@@ -145,4 +145,4 @@ def test_an_empty_call_runs_and_returns_empty_or_unchanged_results(backend, info
 @pytest.mark.parametrize("info", [info for info in OPS if info.op.custom_op is not None], ids=lambda info: info.name)
 def test_opcheck(backend, info):
     with tritonopt.use_backend(backend):
-        torch.library.opcheck(info.op.custom_op, (), _on(backend, info.sample()))
+        torch.library.opcheck(info.op.custom_op, info.op.dispatcher_arguments(**_on(backend, info.sample())))
