@@ -4,6 +4,7 @@
 import pytest
 import torch
 from _helpers import BACKENDS, flat, gradient_stream, make_params, set_grads
+from conftest import to_backend_device
 
 import tritonopt
 from tritonopt.optim import GGT, SparseGGT
@@ -53,11 +54,11 @@ def test_ggt_with_rank_deficient_window():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sparse_ggt_at_full_density_is_ggt(backend):
     hyper = dict(lr=0.01, ngrads=3, eps=0.5, momentum=0.5, weight_decay=0.1)
-    params_d, params_s = make_params(SHAPES), make_params(SHAPES)
+    params_d, params_s = to_backend_device(backend, (make_params(SHAPES), make_params(SHAPES)))
     dense = GGT(params_d, **hyper)
     sparse = SparseGGT(params_s, density=1.0, block_size=8, **hyper)
     with tritonopt.use_backend(backend):
-        for grads in gradient_stream(SHAPES, 6):
+        for grads in to_backend_device(backend, gradient_stream(SHAPES, 6)):
             set_grads(params_d, grads)
             set_grads(params_s, grads)
             dense.step()

@@ -29,8 +29,9 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT_FEATURES))
 
 
-def train(precond_type=KFACPreconditioner, steps: int = 3, device: torch.device = torch.device("cpu"), **kwargs):
-    """``steps`` preconditioned steps of :func:`make_model` on ``device``: (model, preconditioner, gradients per step)."""
+def train(precond_type=KFACPreconditioner, steps: int = 3, device=torch.device("cpu"), **kwargs):
+    """``steps`` preconditioned steps of :func:`make_model` on ``device``:
+    (model, preconditioner, gradients per step)."""
     model = make_model().to(device)
     precond = precond_type(model, damping=0.01, **kwargs)
     generator = torch.Generator().manual_seed(1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _distributed import run_on_ranks
-from conftest import triton_runs_here
+from conftest import backend_device, triton_runs_here
 from torch import nn
 
 import tritonopt
@@ -263,23 +263,24 @@ def make_conv_model():
     return nn.Sequential(nn.Conv2d(2, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
 
 
-def autocast_run(preconditioner, dtype=None, *, scaled=False, backend="reference"):
-    """``AUTOCAST_STEPS`` steps of the README's loop over SGD on one batch, the forward under
-    ``torch.autocast("cpu", dtype)`` (none when ``dtype`` is None), with a ``GradScaler`` passed as
-    ``grad_scaler=`` when ``scaled``. Returns the model, the preconditioner, the losses and the
-    factors after the first step."""
-    model = make_conv_model()
+def autocast_run(preconditioner, dtype=None, *, scaled=False, backend="reference", device=torch.device("cpu")):
+    """``AUTOCAST_STEPS`` steps of the README's loop over SGD on one batch on ``device``, the forward
+    under ``torch.autocast(device.type, dtype)`` (none when ``dtype`` is None), with a ``GradScaler``
+    passed as ``grad_scaler=`` when ``scaled``. Returns the model, the preconditioner, the losses and
+    the factors after the first step."""
+    model = make_conv_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+    scaler = torch.amp.GradScaler(device.type, enabled=scaled)
     kfac = PRECONDITIONERS[preconditioner](model, damping=0.03, inv_update_steps=2, lr=0.1,
                                            grad_scaler=scaler if scaled else None)
     gen = torch.Generator().manual_seed(6)
     x, y = torch.randn(16, 2, 6, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    x, y = x.to(device), y.to(device)
     losses, first = [], None
     with tritonopt.use_backend(backend):
         for step in range(AUTOCAST_STEPS):
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss = nn.functional.cross_entropy(model(x), y)
             losses.append(loss.item())
             scaler.scale(loss).backward()
@@ -330,8 +331,9 @@ def test_a_power_of_two_loss_scale_changes_nothing_under_bfloat16_autocast():
 
 @pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 def test_the_triton_backend_gives_the_reference_factors_under_autocast():
-    _, reference, _, _ = autocast_run("KFAC", torch.bfloat16)
-    _, triton, _, _ = autocast_run("KFAC", torch.bfloat16, backend="triton")
+    device = backend_device("triton")  # both runs there: the same autocast forward, only the ops differ
+    _, reference, _, _ = autocast_run("KFAC", torch.bfloat16, device=device)
+    _, triton, _, _ = autocast_run("KFAC", torch.bfloat16, backend="triton", device=device)
     for l1, l2 in zip(reference.layers, triton.layers):
         assert torch.allclose(l1.a_factor, l2.a_factor, rtol=1e-4, atol=1e-6)
         assert torch.allclose(l1.g_factor, l2.g_factor, rtol=1e-4, atol=1e-6)

@@ -7,6 +7,7 @@ density-100 % reduction, backends, checkpoints and bad input."""
 import pytest
 import torch
 from _helpers import BACKENDS, flat, gradient_stream, make_params, needs_triton, run_steps, set_grads
+from conftest import to_backend_device
 
 import tritonopt
 from tritonopt.ops import densify_ring
@@ -139,11 +140,11 @@ def test_gram_matrix_indefinite_by_rounding_still_gives_a_finite_solve():
 def test_sparse_mfac_at_full_density_is_dense_mfac(backend):
     m = 4
     hyper = dict(lr=0.05, ngrads=m, damp=0.1, momentum=0.5, weight_decay=0.1)
-    params_d, params_s = make_params(SHAPES), make_params(SHAPES)
+    params_d, params_s = to_backend_device(backend, (make_params(SHAPES), make_params(SHAPES)))
     dense = MFAC(params_d, **hyper)
     sparse = SparseMFAC(params_s, density=1.0, block_size=16, **hyper)
     with tritonopt.use_backend(backend):
-        for grads in gradient_stream(SHAPES, m + 5):
+        for grads in to_backend_device(backend, gradient_stream(SHAPES, m + 5)):
             set_grads(params_d, grads)
             set_grads(params_s, grads)
             dense.step()
@@ -212,23 +213,23 @@ def test_without_error_feedback_the_error_stays_zero_and_the_steps_differ():
 @needs_triton
 def test_triton_and_reference_paths_agree_step_by_step():
     hyper = dict(lr=0.05, ngrads=4, damp=0.1, density=0.2, block_size=16, momentum=0.9)
-    params_t, params_r = make_params(SHAPES), make_params(SHAPES)
+    params_t, params_r = to_backend_device("triton", make_params(SHAPES)), make_params(SHAPES)
     opt_t, opt_r = SparseMFAC(params_t, **hyper), SparseMFAC(params_r, **hyper)
     for grads in gradient_stream(SHAPES, 7):
-        set_grads(params_t, grads)
+        set_grads(params_t, to_backend_device("triton", grads))
         set_grads(params_r, grads)
         with tritonopt.use_backend("triton"):
             opt_t.step()
         with tritonopt.use_backend("reference"):
             opt_r.step()
         for pt, pr in zip(params_t, params_r):
-            torch.testing.assert_close(pt, pr, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(pt.cpu(), pr, rtol=1e-5, atol=1e-6)
             for name in ("error", "momentum_buffer"):
-                torch.testing.assert_close(opt_t.state[pt][name], opt_r.state[pr][name], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(opt_t.state[pt][name].cpu(), opt_r.state[pr][name], rtol=1e-5, atol=1e-6)
         ring_t, ring_r = opt_t.state[params_t[0]], opt_r.state[params_r[0]]
-        assert torch.equal(ring_t["ring_indices"], ring_r["ring_indices"])
-        torch.testing.assert_close(ring_t["ring_values"], ring_r["ring_values"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ring_t["dots"], ring_r["dots"], rtol=1e-5, atol=1e-6)
+        assert torch.equal(ring_t["ring_indices"].cpu(), ring_r["ring_indices"])
+        torch.testing.assert_close(ring_t["ring_values"].cpu(), ring_r["ring_values"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ring_t["dots"].cpu(), ring_r["dots"], rtol=1e-5, atol=1e-6)
 
 
 def test_parameters_without_grad_keep_their_value_and_state():
@@ -383,15 +384,16 @@ def test_bf16_values_keep_dots_the_gram_matrix_of_the_stored_rows(backend, cls):
     # Nearly collinear gradients and a tiny damp: dots must be the (PSD) Gram matrix of
     # the rows the ring holds, or the Cholesky factorisation fails.
     hyper = dict(damp=1e-6) if cls is SparseMFAC else dict(eps=1e-3)
-    params = make_params([(256,)])
+    params = to_backend_device(backend, make_params([(256,)]))
     opt = cls(params, lr=1e-3, ngrads=8, density=0.25, block_size=64,
               values_dtype=torch.bfloat16, **hyper)
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(256, generator=gen)
     with tritonopt.use_backend(backend):
         for _ in range(10):
-            error_before = opt.state[params[0]]["error"].clone() if opt.state else torch.zeros(256)
-            g = base + 1e-3 * torch.randn(256, generator=gen)
+            error_before = (opt.state[params[0]]["error"].clone() if opt.state
+                            else torch.zeros(256, device=params[0].device))
+            g = to_backend_device(backend, base + 1e-3 * torch.randn(256, generator=gen))
             set_grads(params, [g])
             opt.step()
             ring = opt.state[params[0]]
@@ -476,13 +478,15 @@ def test_error_norm_ratio_is_what_compression_left_out():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_bfloat16_error_loses_only_the_rounding_of_each_residual(backend):
-    params = make_params(SHAPES)
+    params = to_backend_device(backend, make_params(SHAPES))
     opt = SparseMFAC(params, lr=0.05, ngrads=3, damp=0.1, density=0.25, block_size=16, error_dtype=torch.bfloat16)
-    exact = SparseMFAC(make_params(SHAPES), lr=0.05, ngrads=3, damp=0.1, density=0.25, block_size=16)
-    stream = gradient_stream(SHAPES, 4)
+    exact = SparseMFAC(to_backend_device(backend, make_params(SHAPES)), lr=0.05, ngrads=3, damp=0.1, density=0.25,
+                       block_size=16)
+    stream = to_backend_device(backend, gradient_stream(SHAPES, 4))
     with tritonopt.use_backend(backend):
         for grads in stream:
-            previous = flat([opt.state[p]["error"].float() for p in params]) if opt.state else torch.zeros(62)
+            previous = flat([opt.state[p]["error"].float() for p in params]) if opt.state else torch.zeros(
+                62, device=params[0].device)
             set_grads(params, grads)
             opt.step()
             ring = opt.state[params[0]]
