@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from _helpers import gradient_stream, make_params, needs_triton, run_steps, set_grads
+from conftest import to_backend_device
 
 import tritonopt
 from tritonopt.optim import SparseAdaGrad, optimizer_state_bytes
@@ -51,18 +52,19 @@ SHAPES = [(5, 7), (3,), (2, 3, 4)]  # 62 elements: blocks of 16 leave a partial 
 def test_matches_algorithm_7(backend, weight_decay):
     params = make_params(SHAPES)
     sizes = [p.numel() for p in params]
-    oracle = Algorithm7(sizes, block_size=16, k=3, lr=0.05, weight_decay=weight_decay)
+    oracle = Algorithm7(sizes, block_size=16, k=3, lr=0.05, weight_decay=weight_decay)  # on the CPU
     expected = [p.detach().clone() for p in params]
+    params = to_backend_device(backend, params)
     opt = SparseAdaGrad(params, lr=0.05, k=3, block_size=16, weight_decay=weight_decay)
     with tritonopt.use_backend(backend):
         for grads in gradient_stream(SHAPES, 12):
-            set_grads(params, grads)
+            set_grads(params, to_backend_device(backend, grads))
             opt.step()
             expected = [e.view(p.shape) for e, p in zip(oracle.step(expected, grads), params)]
             for p, e in zip(params, expected):
-                torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
-    error = torch.cat([opt.state[p]["error"].reshape(-1) for p in params])
-    sum_sq = torch.cat([opt.state[p]["sum_sq"].reshape(-1) for p in params])
+                torch.testing.assert_close(p.detach().cpu(), e, rtol=1e-6, atol=1e-7)
+    error = torch.cat([opt.state[p]["error"].reshape(-1) for p in params]).cpu()
+    sum_sq = torch.cat([opt.state[p]["sum_sq"].reshape(-1) for p in params]).cpu()
     torch.testing.assert_close(error, oracle.error, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(sum_sq, oracle.sum_sq, rtol=1e-6, atol=1e-7)
     assert all(int(opt.state[p]["step"]) == 12 for p in params)
@@ -70,20 +72,20 @@ def test_matches_algorithm_7(backend, weight_decay):
 
 @needs_triton
 def test_triton_and_reference_paths_agree_bitwise_step_by_step():
-    params_t, params_r = make_params(SHAPES), make_params(SHAPES)
+    params_t, params_r = to_backend_device("triton", make_params(SHAPES)), make_params(SHAPES)
     opt_t = SparseAdaGrad(params_t, lr=0.1, density=0.2, block_size=16)
     opt_r = SparseAdaGrad(params_r, lr=0.1, density=0.2, block_size=16)
     for grads in gradient_stream(SHAPES, 8):
-        set_grads(params_t, grads)
+        set_grads(params_t, to_backend_device("triton", grads))
         set_grads(params_r, grads)
         with tritonopt.use_backend("triton"):
             opt_t.step()
         with tritonopt.use_backend("reference"):
             opt_r.step()
         for pt, pr in zip(params_t, params_r):
-            assert torch.equal(pt, pr)
+            assert torch.equal(pt.cpu(), pr)
             for name in ("error", "sum_sq"):
-                assert torch.equal(opt_t.state[pt][name], opt_r.state[pr][name])
+                assert torch.equal(opt_t.state[pt][name].cpu(), opt_r.state[pr][name])
 
 
 def test_param_groups_use_their_own_hyperparameters():
