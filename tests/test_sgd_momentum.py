@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 from _helpers import BACKENDS
-from conftest import triton_runs_here
+from conftest import backend_device, run_on_backend, to_backend_device, triton_runs_here
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -40,13 +40,15 @@ def torch_sgd_steps(w0, grads, lr, momentum, dampening, weight_decay, nesterov, 
 
 
 def op_steps(backend, w0, grads, lr, momentum, dampening, weight_decay, nesterov, maximize):
-    w, buf = w0.clone(), torch.zeros_like(w0)
+    """The op's steps on ``backend``'s device; the weights and buffer come back on the CPU."""
+    w, grads = to_backend_device(backend, (w0.clone(), grads))
+    buf = torch.zeros_like(w)
     with tritonopt.use_backend(backend):
         for step, g in enumerate(grads):
             sgd_momentum_step(w, g, buf, lr=lr, momentum=momentum, dampening=dampening,
                               weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                               first_step=step == 0)
-    return w, (buf if momentum else None)
+    return w.cpu(), (buf.cpu() if momentum else None)
 
 
 @pytest.mark.parametrize("options", OPTIONS)
@@ -96,9 +98,8 @@ def test_triton_matches_reference_to_rounding(n, options, first_step, grad_dtype
     out = {}
     for backend in ("reference", "triton"):
         w, buf = w0.clone(), buf0.clone()
-        with tritonopt.use_backend(backend):
-            sgd_momentum_step(w, g, buf, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                              nesterov=nesterov, maximize=maximize, first_step=first_step)
+        run_on_backend(backend, sgd_momentum_step, w, g, buf, lr=lr, momentum=momentum, dampening=dampening,
+                       weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first_step=first_step)
         out[backend] = (w, buf)
     tol_w, tol_buf = rounding_bounds(w0, g.float(), buf0, lr, momentum, dampening, weight_decay, nesterov, first_step)
     assert ((out["triton"][0].double() - out["reference"][0].double()).abs() <= tol_w).all()
@@ -122,13 +123,14 @@ def test_non_finite_values_propagate_like_torch(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_without_momentum_the_buffer_is_optional_and_untouched(backend):
-    w, g = torch.ones(10), torch.full((10,), 2.0)
+    device = backend_device(backend)
+    w, g = torch.ones(10, device=device), torch.full((10,), 2.0, device=device)
     with tritonopt.use_backend(backend):
         sgd_momentum_step(w, g, lr=0.25)
-        assert torch.equal(w, torch.full((10,), 0.5))
-        buf = torch.full((10,), 7.0)
+        assert torch.equal(w.cpu(), torch.full((10,), 0.5))
+        buf = torch.full((10,), 7.0, device=device)
         sgd_momentum_step(w, g, buf, lr=0.25, momentum=0.0)
-    assert torch.equal(buf, torch.full((10,), 7.0))
+    assert torch.equal(buf.cpu(), torch.full((10,), 7.0))
 
 
 def test_compiles_into_a_graph():
