@@ -7,6 +7,7 @@ checked with every other op's, from its entries in ``_op_table.py``.
 import pytest
 import torch
 from _helpers import BACKENDS, needs_triton
+from conftest import backend_device
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -31,7 +32,11 @@ def make_buffers(n, seed, param_dtype=torch.float32, device="cpu", scale=1.0):
 
 
 def call(buffers, backend, *, pulled, shadow, save_sync=True, **hyper):
-    out = {k: v.clone() for k, v in buffers.items()}
+    """The op on copies of ``buffers``, on ``backend``'s device when they are on the CPU (else where
+    they are); the copies come back where ``buffers`` are, with the count of refused elements."""
+    home = buffers["param"].device
+    target = backend_device(backend) if home.type == "cpu" else home
+    out = {k: v.to(target, copy=True) for k, v in buffers.items()}
     kw = dict(hyper)
     if shadow:
         kw.update(shadow_weight=out["sw"], shadow_momentum=out["smom"])
@@ -39,7 +44,7 @@ def call(buffers, backend, *, pulled, shadow, save_sync=True, **hyper):
             kw["sync_momentum"] = out["sync_mom"]
     with tritonopt.use_backend(backend):
         count = ssd_sgd_step(out["param"], out["grad"], out["pre"], pulled=pulled, **kw)
-    return out, int(count)
+    return {k: v.to(home) for k, v in out.items()}, int(count)
 
 
 def expected_float64(b, *, pulled, shadow, lr, momentum, weight_decay, local_lr, local_weight_decay,
