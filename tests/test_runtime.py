@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import run_on_backend, triton_runs_here
+from conftest import backend_device, run_on_backend, triton_runs_here
 
 import tritonopt
 from tritonopt import _runtime
@@ -54,6 +54,31 @@ def test_use_backend_overrides_environment_and_restores(monkeypatch):
 @pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
 def test_auto_picks_triton_where_it_runs(device):
     assert tritonopt.select_backend(device) == "triton"
+
+
+@pytest.mark.skipif(not triton_runs_here(), reason="Triton cannot run here")
+def test_an_op_measured_slower_than_cublas_runs_its_reference_on_cuda_unless_triton_is_forced():
+    # The device is only named: choosing a backend queries no GPU.
+    cuda = torch.device("cuda")
+    assert tritonopt.select_backend(cuda) == "triton"
+    assert tritonopt.select_backend(cuda, cuda_default="reference") == "reference"
+    with tritonopt.use_backend("triton"):
+        assert tritonopt.select_backend(cuda, cuda_default="reference") == "triton"
+    # Under the interpreter (CPU tensors) every op still runs its kernel: that is what the tests prove.
+    if backend_device("triton").type == "cpu":
+        assert tritonopt.select_backend(torch.device("cpu"), cuda_default="reference") == "triton"
+    with pytest.raises(ValueError, match="cuda_default"):
+        tritonopt.select_backend(cuda, cuda_default="cublas")
+
+
+def test_the_ops_slower_than_their_torch_path_on_an_h100_are_the_ones_that_default_to_it():
+    from tritonopt import ops
+
+    defaults = {name: getattr(ops, name).cuda_default for name in ops.__all__
+                if hasattr(getattr(ops, name), "cuda_default")}
+    slower = {"kfac_factor_update", "eigenbasis_precondition", "eigenbasis_precondition_prediv", "lowrank_ef"}
+    assert {name for name, default in defaults.items() if default == "reference"} == slower
+    assert "ef_topk" in defaults and "sparse_lcg" in defaults
 
 
 def test_forced_triton_on_an_unsupported_device_fails_clearly():

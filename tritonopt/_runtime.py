@@ -13,6 +13,10 @@ An op runs either its Triton kernel or its plain-PyTorch reference:
   no effect on kernels already defined);
 * ``"reference"`` otherwise.
 
+An op may declare that on CUDA tensors its reference runs by default (``cuda_default``):
+the K-FAC matrix products and the low-rank compression, whose cuBLAS path was measured
+faster than their kernels on an H100. Forcing ``"triton"`` still runs the kernel.
+
 ``TRITONOPT_BACKEND=triton|reference`` (read at every call) or the
 :func:`use_backend` context manager forces one; forcing ``"triton"`` where it
 cannot run raises :class:`BackendUnavailableError` with the reason.
@@ -97,8 +101,14 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
     return f"tritonopt has no Triton kernels for device type {device.type!r}"
 
 
-def select_backend(device: torch.device) -> str:
-    """The backend an op on tensors of ``device`` runs: ``"triton"`` or ``"reference"``."""
+def select_backend(device: torch.device, *, cuda_default: str = "triton") -> str:
+    """The backend an op on tensors of ``device`` runs: ``"triton"`` or ``"reference"``.
+
+    ``cuda_default`` is what an op runs on CUDA tensors when nothing is forced: ``"reference"``
+    for the ops whose PyTorch path (cuBLAS) was measured faster than their kernel on a GPU.
+    """
+    if cuda_default not in BACKENDS:
+        raise ValueError(f"cuda_default must be 'triton' or 'reference', got {cuda_default!r}")
     requested = _requested_backend()
     reason = _triton_unavailable_reason(device)
     if requested == "reference":
@@ -107,7 +117,9 @@ def select_backend(device: torch.device) -> str:
         if reason is not None:
             raise BackendUnavailableError(f"the Triton backend was forced but {reason}")
         return "triton"
-    return "reference" if reason is not None else "triton"
+    if reason is not None:
+        return "reference"
+    return cuda_default if device.type == "cuda" else "triton"
 
 
 @contextlib.contextmanager

@@ -95,9 +95,13 @@ class Op:
         mutates_args: Sequence[str],
         nvtx: Optional[str],
         composite: bool,
+        cuda_default: str = "triton",
     ):
         functools.update_wrapper(self, contract)
+        if cuda_default not in ("triton", "reference"):
+            raise ValueError(f"cuda_default must be 'triton' or 'reference', got {cuda_default!r}")
         self.name = name
+        self.cuda_default = cuda_default
         self.contract = contract
         self.nvtx = nvtx or f"tritonopt/{name}"
         self.composite = composite
@@ -211,7 +215,8 @@ class Op:
         return tensor.device
 
     def _run(self, *args, **kwargs):
-        implementation = self._backends[select_backend(self._device(args, kwargs))]
+        backend = select_backend(self._device(args, kwargs), cuda_default=self.cuda_default)
+        implementation = self._backends[backend]
         with nvtx_range(self.nvtx):
             return implementation(*args, **kwargs)
 
@@ -253,6 +258,7 @@ def define_op(
     mutates_args: Sequence[str] = (),
     nvtx: Optional[str] = None,
     composite: bool = False,
+    cuda_default: str = "triton",
 ) -> Callable[[Callable], Op]:
     """Declare the op ``tritonopt::<name>`` from its contract function (see the module docstring).
 
@@ -261,9 +267,12 @@ def define_op(
         mutates_args: the arguments written in place (``torch.library``'s declaration).
         nvtx: the NVTX range of each call, ``tritonopt/<name>`` by default.
         composite: plain torch code on every backend; no custom op is registered.
+        cuda_default: the backend on CUDA tensors when none is forced; ``"reference"`` where the
+            PyTorch path was measured faster than the kernel on a GPU (``perf/results/<gpu>/``).
     """
 
     def declare(contract: Callable) -> Op:
-        return Op(contract, name=name, mutates_args=mutates_args, nvtx=nvtx, composite=composite)
+        return Op(contract, name=name, mutates_args=mutates_args, nvtx=nvtx, composite=composite,
+                  cuda_default=cuda_default)
 
     return declare

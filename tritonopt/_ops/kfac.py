@@ -43,7 +43,11 @@ def _check_dtype_argument(dtype) -> None:
 # --------------------------------------------------------------------------- factor update
 
 
-@define_op("kfac_factor_update", mutates_args=("factor",), nvtx="tritonopt/kfac/factor_update")
+# On CUDA tensors these products run their cuBLAS reference unless Triton is forced: on an H100
+# the kernels ran at 0.06-0.76x (factor update) and 0.26-1.04x (preconditioning) the speed of the
+# torch composite (perf/results/nvidia-h100-80gb-hbm3/kfac.csv).
+@define_op("kfac_factor_update", mutates_args=("factor",), nvtx="tritonopt/kfac/factor_update",
+           cuda_default="reference")
 def kfac_factor_update(
     factor: torch.Tensor,
     x: torch.Tensor,
@@ -134,7 +138,7 @@ def _check_eigenbases(grad, qa, qg, precision) -> None:
     check_same_device("grad", grad, qa=qa, qg=qg)
 
 
-@define_op("eigenbasis_precondition", nvtx="tritonopt/kfac/precondition")
+@define_op("eigenbasis_precondition", nvtx="tritonopt/kfac/precondition", cuda_default="reference")
 def eigenbasis_precondition(
     grad: torch.Tensor,
     qa: torch.Tensor,
@@ -192,7 +196,7 @@ eigenbasis_precondition.register_backends(
 )
 
 
-@define_op("eigenbasis_precondition_prediv", nvtx="tritonopt/kfac/precondition")
+@define_op("eigenbasis_precondition_prediv", nvtx="tritonopt/kfac/precondition", cuda_default="reference")
 def eigenbasis_precondition_prediv(
     grad: torch.Tensor,
     qa: torch.Tensor,

@@ -14,7 +14,10 @@ from tritonopt.kernels import lowrank as _kernels
 __all__ = ["lowrank_ef", "lowrank_frobenius_products"]
 
 
-@define_op("lowrank_ef", mutates_args=("error",), nvtx="tritonopt/lowrank/compress")
+# On CUDA tensors the cuBLAS reference runs unless Triton is forced: on an H100 the kernel ran at
+# 0.60-0.92x the speed of the torch composite (perf/results/nvidia-h100-80gb-hbm3/lowrank.csv).
+@define_op("lowrank_ef", mutates_args=("error",), nvtx="tritonopt/lowrank/compress",
+           cuda_default="reference")
 def lowrank_ef(grad: torch.Tensor, error: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-``r`` compression of ``error + grad`` by one power iteration warm-started at ``q``.
 
