@@ -160,8 +160,9 @@ def eigenbasis_precondition(
         qa, da: eigenvectors (columns) ``[a_dim, a_dim]`` and eigenvalues ``[a_dim]`` of A.
         qg, dg: the same for G, ``[g_dim, g_dim]`` and ``[g_dim]``.
         damping: ``> 0``, added to the products of eigenvalues.
-        precision: GPU matrix-unit precision; ``"tf32x3"`` (default) keeps fp32
-            accuracy, plain ``"tf32"`` does not (see :mod:`tritonopt.kernels.kfac`).
+        precision: GPU matrix-unit precision of the kernel; ``"tf32x3"`` (default) keeps fp32
+            accuracy, plain ``"tf32"`` does not (see :mod:`tritonopt.kernels.kfac`). The
+            reference, which CUDA tensors run unless Triton is forced, computes in full fp32.
 
     Returns:
         ``P``, float32, ``[g_dim, a_dim]``. Every input may be float32, float16 or

@@ -99,7 +99,9 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
             gradients divided by the loss scale (paper sec. 4.1). Without it, output
             gradients that were loss-scaled anyway are warned about once
             (:meth:`check_loss_scale`).
-        precision: GPU matrix-unit precision of the kernels (see :mod:`tritonopt.kernels.kfac`).
+        precision: GPU matrix-unit precision of the kernels (see :mod:`tritonopt.kernels.kfac`),
+            when they run: on CUDA tensors the products run through cuBLAS in full float32 unless
+            the Triton backend is forced (see the backends page).
         on_nonfinite: ``"skip"`` or ``"raise"`` (see :mod:`tritonopt.optim.kfac`).
 
     Raises:
