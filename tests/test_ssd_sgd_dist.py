@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from _distributed import run_on_ranks
 from _helpers import flat
+from conftest import backend_device
 from torch import nn
 
 import tritonopt
@@ -244,15 +245,19 @@ def batchnorm_run(rank, group, k=2, wp1=2, steps=6):
 
 
 def backend_run(rank, group, backend):
-    model = make_model(dtype=torch.float32)
+    # As in the test process (backend_device): Triton compiled on CUDA with a GPU (gloo carries SSDSGD's
+    # broadcast and all-reduce of CUDA tensors), else interpreted on the CPU; inputs are made on the CPU.
+    device = backend_device(backend)
+    model = make_model(dtype=torch.float32).to(device)
     opt = SSDSGD(param_groups(model), lr=0.05, delay_steps=2, warmup_steps=2, process_group=group)
     with tritonopt.use_backend(backend):
         for t in range(7):
             opt.zero_grad()
-            loss_of(model, *batch(rank, t, torch.float32)).backward()
+            loss_of(model, *(x.to(device) for x in batch(rank, t, torch.float32))).backward()
             opt.step()
     opt.finalize()
-    return flat(model.parameters()), flat(opt.global_parameters())
+    return dict(weights=flat(model.parameters()).cpu(), global_=flat(opt.global_parameters()).cpu(),
+                device=model[0].weight.device.type)
 
 
 def capture(fn):
@@ -742,8 +747,9 @@ def test_triton_and_reference_backends_agree_inside_the_optimizer(two_ranks):
     # float32, 7 steps: each step rounds differently by a few ulps of the summed terms (FMA on a GPU).
     for rank in range(2):
         ref, tri = two_ranks[rank]["backend"]["reference"], two_ranks[rank]["backend"]["triton"]
-        for a, b in zip(ref, tri):
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert (ref["device"], tri["device"]) == ("cpu", backend_device("triton").type)
+        for name in ("weights", "global_"):
+            assert torch.allclose(ref[name], tri[name], rtol=1e-5, atol=1e-6), (rank, name)
 
 
 # --------------------------------------------------------------------------- bad input and failures
