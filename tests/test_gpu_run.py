@@ -28,7 +28,7 @@ def test_the_script_parses():
 def test_every_documented_phase_is_handled_and_an_unknown_one_is_refused(tmp_path):
     text = SCRIPT.read_text()
     documented = re.findall(r"^#   (\w+)\s+\d+\s", text, re.M)
-    assert documented == ["env", "gpu", "suite", "bench", "autotune", "e2e"]
+    assert documented == ["env", "gpu", "suite", "bench", "autotune", "e2e", "anchors"]
     for phase in documented:
         assert re.search(rf"^\s+{phase}\)", text, re.M), phase
     result = run("no_such_phase", tmp_path=tmp_path)
