@@ -22,7 +22,12 @@ checkout is missing is reported as skipped; a checkout that is there but does no
 the run with the error and how to fix it. Sizes are ``perf.bench_optimizer_step``'s: ``demo``
 (the CPU default, one thread), ``resnet18`` (GPU), ``shrunk`` (``--smoke``).
 
-    python -m perf.bench_anchors [--smoke] [--anchors DIR] [--sizes demo resnet18] [--repeats 7]
+    python -m perf.bench_anchors [--smoke] [--anchors DIR] [--sizes demo resnet18] [--repeats 7] [--profile 8]
+
+``--profile N`` then runs each side's step under ``cProfile`` and prints, per pair, the ``N``
+functions where each step spends the most of its own time (host time: on a GPU the kernels run
+asynchronously and show where they are waited for), so the two sides' costs can be compared
+line by line.
 
 Results: ``anchors.csv`` in ``perf/results/<device>/``. The exit status is 1 when a pair
 disagrees beyond its bound, or when a checkout that is there does not import.
@@ -35,10 +40,13 @@ if __name__ == "__main__" and not __package__:  # python perf/bench_anchors.py
 
     _as_module.run(__file__)
 
+import contextlib
 import copy
+import cProfile
 import gc
 import importlib
 import importlib.util
+import pstats
 import statistics
 import sys
 from pathlib import Path
@@ -132,6 +140,55 @@ def timed(pair: AnchorPair, size: Size, device: torch.device, *, repeats: int, m
     return row
 
 
+def _readable(function: str) -> str:
+    """cProfile's names of built-ins, shortened: ``Tensor.view``, ``torch.topk``."""
+    if function.startswith("<method '"):
+        method, owner = function[len("<method '"):].split("' of '", 1)
+        return f"{owner.split('.')[-1].split(chr(39))[0].replace('TensorBase', 'Tensor')}.{method}"
+    if function.startswith("<built-in method "):
+        return function[len("<built-in method "):].rstrip(">")
+    return function
+
+
+def profile_steps(pair: AnchorPair, size: Size, device: torch.device, *, iterations: int,
+                  top: int) -> list[list]:
+    """Each side's ``top`` functions by own time in its step, ms per step, with the step's total."""
+    table = []
+    for side, build in (("tritonopt", pair.build_tritonopt), ("anchor", pair.build_anchor)):
+        torch.manual_seed(0)
+        model = size.make_model().to(device)
+        x = torch.randn(size.batch, *size.input_shape, device=device)
+        y = torch.randint(0, size.classes, (size.batch,), device=device)
+        step = build(model)
+        loss_fn = torch.nn.functional.cross_entropy
+        for _ in range(step.warmup_steps + 2 * pair.period):  # past the warm-up, as the timing is
+            step(x, y, loss_fn)
+        profile = cProfile.Profile()
+
+        @contextlib.contextmanager
+        def profiled():
+            profile.enable()
+            try:
+                yield
+            finally:
+                profile.disable()
+
+        step.update_timer = profiled
+        for _ in range(iterations):
+            step(x, y, loss_fn)
+        stats = pstats.Stats(profile).stats
+        total = sum(entry[2] for entry in stats.values()) * 1e3 / iterations
+        ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+        name = pair.name if side == "tritonopt" else pair.anchor
+        table.append([name, "(whole step)", "", f"{total:.3f}", "100 %"])
+        for (filename, line, function), entry in ranked:
+            where = f"{Path(filename).name}:{line}" if line else "(built-in)"
+            function = _readable(function)
+            own = entry[2] * 1e3 / iterations
+            table.append([name, function, where, f"{own:.3f}", f"{100 * own / total:.0f} %"])
+    return table
+
+
 def ratio_spread(row: dict, quantity: str) -> str:
     """The smallest and largest one-repeat ratio, e.g. ``1.18-1.29x``."""
     return f"{row[f'{quantity}_ratio_min']:.2f}-{row[f'{quantity}_ratio_max']:.2f}x"
@@ -146,6 +203,8 @@ def parser():
                    help="default: demo and resnet18 on a GPU, demo on the CPU")
     p.add_argument("--repeats", type=harness.positive_int, default=7,
                    help="alternating measurements of each side; the median is reported (default 7)")
+    p.add_argument("--profile", type=harness.positive_int, default=None, metavar="N",
+                   help="also print each side's N costliest functions per step (cProfile, own time)")
     return p
 
 
@@ -159,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sizes = args.sizes or (["demo", "resnet18"] if device.type == "cuda" else ["demo"])
         repeats, min_iterations = args.repeats, (20 if device.type == "cuda" else 40)
     print(f"{NAME}: device {harness.device_name()}, tritonopt backend {primary}, anchors from {args.anchors}")
-    rows, claims = [], []
+    rows, claims, profiles = [], [], []
     for size_name in sizes:
         size = SIZES[size_name]
         pairs, broken = [], []
@@ -195,6 +254,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 try:
                     row.update(timed(pair, size, device, repeats=repeats, min_iterations=min_iterations,
                                      use_nvtx=use_nvtx))
+                    if args.profile:
+                        profiles.append((size_name, profile_steps(pair, size, device, iterations=min_iterations,
+                                                                  top=args.profile)))
                 except torch.cuda.OutOfMemoryError:
                     print(f"skipped timing {pair.name} at {size_name}: out of GPU memory")
                 rows.append(row)
@@ -218,6 +280,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               r["tritonopt_state_bytes"] / 2**20, r["anchor_state_bytes"] / 2**20,
               f"{r['relative_difference']:.1e}" if "relative_difference" in r else ""]
              for r in mine]))
+    for size_name, table in profiles:
+        print(f"\n{size_name}: where each step's time goes (cProfile, own time per step, ms)")
+        print(harness.format_table(["side", "function", "where", "ms", "share"], table))
     print()
     out_dir = harness.output_dir(args.out, harness.device_results_dir(), smoke=args.smoke, name=NAME)
     print(f"wrote {harness.write_results(rows, out_dir, NAME)}")

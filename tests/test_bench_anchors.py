@@ -48,6 +48,20 @@ def test_a_one_in_a_thousand_change_of_the_update_is_seen():
     assert 0.9e-3 < difference < 1.1e-3
 
 
+def test_the_profile_splits_each_sides_step_and_tells_them_apart():
+    # torch's SGD with a 10x larger lr does the same work: each side's rows sum to at most its total.
+    table = bench.profile_steps(sgd_pair(1.0), TINY, torch.device("cpu"), iterations=3, top=4)
+    sides = {row[0] for row in table}
+    assert sides == {"SGD", "torch"} and len(table) == 2 * 5
+    for side in sides:
+        rows = [row for row in table if row[0] == side]
+        assert rows[0][1] == "(whole step)" and rows[0][4] == "100 %"
+        parts = [float(row[3]) for row in rows[1:]]
+        assert parts == sorted(parts, reverse=True) and sum(parts) <= float(rows[0][3]) + 1e-3
+    assert bench._readable("<method 'view' of 'torch._C.TensorBase' objects>") == "Tensor.view"
+    assert bench._readable("<built-in method torch.topk>") == "torch.topk"
+
+
 def test_missing_anchors_are_skipped_with_how_to_get_them(tmp_path):
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
