@@ -6,7 +6,8 @@ shapes are uneven on purpose (13 rows on 2 ranks: 7 and 6; 3 rows: 2 and 1).
 Each sharded run is compared with the same optimizer on plain tensors that get the
 very same gradients (the sharded run's, gathered), so the only difference is how the
 sums over coordinates are formed. Elementwise updates (SparseAdaGrad keeping every
-entry) are then equal bit for bit. For the windows the bound is
+entry, FlatSGD) are then equal bit for bit: each coordinate sees the same float32
+operations on the same values, so no tolerance is allowed. For the windows the bound is
 :func:`_window_bound`, derived there.
 """
 
@@ -124,6 +125,13 @@ CASES = {
     "SparseMFAC": ("SparseMFAC", dict(lr=0.01, ngrads=NGRADS, damp=0.1, density=1.0, block_size=16), ("mfac", "damp")),
     "GGT": ("GGT", dict(lr=0.01, ngrads=NGRADS, eps=0.1), ("ggt", "eps")),
     "SparseGGT": ("SparseGGT", dict(lr=0.01, ngrads=NGRADS, eps=0.1, density=1.0, block_size=16), ("ggt", "eps")),
+    "FlatSGD": ("FlatSGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True), None),
+}
+# What the checkpoint cases add to CASES' settings: a selection below density 1, momentum.
+CHECKPOINT_SETTINGS = {
+    "SparseMFAC": dict(density=0.3, block_size=8, momentum=0.5),
+    "SparseAdaGrad": dict(density=0.5, block_size=8),
+    "FlatSGD": dict(),  # CASES' momentum already puts a momentum buffer in the checkpoint
 }
 
 
@@ -212,7 +220,6 @@ def _refusals(rank, mesh):
     attempts = {
         "FOSI": lambda: tritonopt.optim.FOSI(model.parameters(), lr=0.1),
         "LowRankMFAC": lambda: tritonopt.optim.LowRankMFAC(model.parameters(), lr=0.1),
-        "FlatSGD": lambda: tritonopt.optim.FlatSGD(model.parameters(), lr=0.1),
         "KFACPreconditioner": lambda: tritonopt.optim.KFACPreconditioner(model),
         "track_error_norm": lambda: tritonopt.optim.SparseMFAC(model.parameters(), track_error_norm=True),
         "mixed": lambda: tritonopt.optim.MFAC([*model.parameters(), torch.nn.Parameter(torch.zeros(3))]),
@@ -245,6 +252,60 @@ def _skip_together(rank, mesh):
             "unchanged": all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))}
 
 
+def _flat_sgd_together(rank, mesh):
+    """FlatSGD's shared decisions: a NaN, or an update that overflows, on rank 1's shard only; a group of which
+    rank 1 holds no row, beside a float32 and a bfloat16 one, equal to the plain run."""
+    import warnings
+
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import tritonopt
+
+    out = {}
+    for case in ("nan", "overflow", "raise"):
+        model = _sharded_model(mesh)
+        opt = _optimizer("FlatSGD", model.parameters(), on_nonfinite="raise" if case == "raise" else "skip")
+        _backward(model, rank, 0)
+        if rank == 1:
+            # A finite gradient whose update overflows float32 on rank 1 only (rank 0's own update is finite).
+            next(model.parameters()).grad.to_local()[0, 0] = 3e38 if case == "overflow" else float("nan")
+        before = [p.to_local().clone() for p in model.parameters()]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt.step()
+            raised = None
+        except FloatingPointError as error:
+            raised = str(error)
+        out[case] = {"skipped": opt.skipped_steps, "raised": raised, "state": sum(bool(entry) for entry in opt.state.values()),
+                     "unchanged": all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters())),
+                     "bytes": opt.shard_group.bytes_all_reduced, "calls": opt.shard_group.all_reduce_calls}
+
+    torch.manual_seed(2)
+    fulls = [torch.randn(1, 3), torch.randn(13, 5), torch.randn(7), torch.randn(3, 4)]
+    placements = [[Shard(0)], [Shard(0)], [Replicate()], [Shard(0)]]
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.bfloat16]
+    params = [torch.nn.Parameter(distribute_tensor(f.to(dt), mesh, pl)) for f, pl, dt in zip(fulls, placements, dtypes)]
+    plain = [torch.nn.Parameter(f.to(dt)) for f, dt in zip(fulls, dtypes)]
+    groups = lambda ps: [{"params": ps[:1]}, {"params": ps[1:3], "momentum": 0.5}, {"params": ps[3:]}]  # noqa: E731
+    opt = tritonopt.optim.FlatSGD(groups(params), lr=0.1, momentum=0.9, weight_decay=0.01)
+    ref_opt = tritonopt.optim.FlatSGD(groups(plain), lr=0.1, momentum=0.9, weight_decay=0.01)
+    exact = True
+    for step in range(3):
+        gen = torch.Generator().manual_seed(10 + step)
+        grads = [torch.randn(f.shape, generator=gen).to(dt) for f, dt in zip(fulls, dtypes)]
+        for p, q, g, pl in zip(params, plain, grads, placements):
+            p.grad = distribute_tensor(g.clone(), mesh, pl)
+            q.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+        exact = exact and all(torch.equal(p.full_tensor(), q.detach()) for p, q in zip(params, plain))
+    out["groups"] = {"exact": exact, "local_rows": params[0].to_local().shape[0],
+                     "bytes": opt.shard_group.bytes_all_reduced, "calls": opt.shard_group.all_reduce_calls,
+                     "momentum_local": tuple(opt.state[params[1]]["momentum_buffer"].shape)}
+    return out
+
+
 def _run(model, opt, rank, steps):
     for step in steps:
         opt.zero_grad(set_to_none=True)
@@ -265,10 +326,9 @@ def _checkpoints(rank, mesh, directory):
     import tritonopt
 
     results = {}
-    for name in ("SparseMFAC", "SparseAdaGrad"):
-        kwargs = dict(density=0.3, block_size=8) if name == "SparseMFAC" else dict(density=0.5, block_size=8)
+    for name, kwargs in CHECKPOINT_SETTINGS.items():
         model = _sharded_model(mesh)
-        opt = _optimizer(name, model.parameters(), **kwargs, **({"momentum": 0.5} if name == "SparseMFAC" else {}))
+        opt = _optimizer(name, model.parameters(), **kwargs)
         _run(model, opt, rank, range(3))
         path = f"{directory}/{name}"
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
@@ -278,7 +338,7 @@ def _checkpoints(rank, mesh, directory):
         uninterrupted = _run(model, opt, rank, range(3, STEPS))
 
         model2 = _sharded_model(mesh)
-        opt2 = _optimizer(name, model2.parameters(), **kwargs, **({"momentum": 0.5} if name == "SparseMFAC" else {}))
+        opt2 = _optimizer(name, model2.parameters(), **kwargs)
         template = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
         dcp.load(template, checkpoint_id=path)
         set_model_state_dict(model2, template["model"])
@@ -288,15 +348,14 @@ def _checkpoints(rank, mesh, directory):
         buffer.seek(0)
         saved = torch.load(buffer, weights_only=True)
         model3 = _sharded_model(mesh)
-        opt3 = _optimizer(name, model3.parameters(), **kwargs, **({"momentum": 0.5} if name == "SparseMFAC" else {}))
+        opt3 = _optimizer(name, model3.parameters(), **kwargs)
         with torch.no_grad():
             for p, value in zip(model3.parameters(), saved["model"]):
                 p.copy_(value)
         opt3.load_state_dict(saved["optim"])
         via_state_dict = _run(model3, opt3, rank, range(3, STEPS))
 
-        plain = _optimizer(name, _model().parameters(), **kwargs,
-                           **({"momentum": 0.5} if name == "SparseMFAC" else {}))
+        plain = _optimizer(name, _model().parameters(), **kwargs)
         try:
             plain.load_state_dict(saved["optim"])
             refused = None
@@ -318,6 +377,7 @@ def _scenario(rank, world, directory):
         out["explicit"][name] = _explicit_dtensors(rank, mesh, name)
     out["refusals"] = _refusals(rank, mesh)
     out["skip"] = _skip_together(rank, mesh)
+    out["flat_sgd"] = _flat_sgd_together(rank, mesh)
     out["checkpoints"] = _checkpoints(rank, mesh, directory)
     out["local_rows"] = [p.to_local().shape[0] for p in _sharded_model(mesh).parameters()]
     return out
@@ -383,7 +443,7 @@ def test_each_rank_keeps_its_share_of_the_window(ranks, name):
 def test_unsupported_optimizers_refuse_dtensors(ranks):
     for result in ranks:
         refusals = result["refusals"]
-        for name in ("FOSI", "LowRankMFAC", "FlatSGD", "KFACPreconditioner"):
+        for name in ("FOSI", "LowRankMFAC", "KFACPreconditioner"):
             assert refusals[name] is not None and "does not support DTensor" in refusals[name], refusals[name]
         assert "LowRankMFAC" in refusals["LowRankMFAC"] and "power iteration" in refusals["LowRankMFAC"]
         assert "track_error_norm" in refusals["track_error_norm"]
@@ -402,7 +462,38 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(ranks):
         assert result["skip"] == {"skipped": 1, "unchanged": True}
 
 
-@pytest.mark.parametrize("name", ["SparseMFAC", "SparseAdaGrad"])
+def test_flat_sgd_steps_that_share_one_float_per_group(ranks):
+    # Per step one float32 per group (its largest gradient entry), and at the first step, which measures the
+    # bounds, two more per group (the largest weight and momentum entries). Rank 1 holds no row of the first
+    # group, a 1-row Shard(0) parameter, and still takes part.
+    for rank, result in enumerate(ranks):
+        seen = result["flat_sgd"]["groups"]
+        assert seen["exact"], seen
+        assert seen["local_rows"] == 1 - rank
+        assert seen["bytes"] == 3 * 4 * 3 + 2 * 3 * 4 and seen["calls"] == 3
+        assert seen["momentum_local"] == ((7, 5) if rank == 0 else (6, 5))
+
+
+@pytest.mark.parametrize("case", ["nan", "overflow"])
+def test_flat_sgd_skips_on_every_rank_when_one_rank_sees_a_problem(ranks, case):
+    for result in ranks:
+        seen = result["flat_sgd"][case]
+        assert seen["skipped"] == 1 and seen["raised"] is None and seen["unchanged"] and seen["state"] == 0, seen
+    if case == "overflow":  # the bounds measured (12 bytes), then the checked step's result over the ranks (8)
+        assert all(result["flat_sgd"][case]["bytes"] == 12 + 8 for result in ranks)
+        assert all(result["flat_sgd"][case]["calls"] == 2 for result in ranks)
+    else:
+        assert all(result["flat_sgd"][case]["bytes"] == 12 for result in ranks)
+
+
+def test_flat_sgd_raises_on_every_rank_when_one_rank_sees_a_nan(ranks):
+    for result in ranks:
+        seen = result["flat_sgd"]["raise"]
+        assert seen["raised"] is not None and "NaN or inf" in seen["raised"] and seen["unchanged"], seen
+        assert seen["skipped"] == 0
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINT_SETTINGS))
 def test_checkpoints_resume_bit_for_bit(ranks, name):
     for result in ranks:
         seen = result["checkpoints"][name]

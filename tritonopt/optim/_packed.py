@@ -215,7 +215,7 @@ class PackedOptimizer(Optimizer):
     SHARDING_REFUSAL: Optional[str] = (
         "its state and update are computed over the whole parameter vector, and on shards each rank would "
         "compute them from its own shard only; the optimizers that step sharded parameters are SparseAdaGrad, "
-        "MFAC, SparseMFAC, GGT and SparseGGT"
+        "MFAC, SparseMFAC, GGT, SparseGGT and FlatSGD"
     )
     # State entries shaped like the parameter's local part, and per-rank window entries (the same shape
     # on every rank): a sharded state_dict shows them as DTensors laid out like the parameter, or stacked
@@ -394,7 +394,7 @@ class PackedOptimizer(Optimizer):
 
         On shards every rank takes part, holding a shard or not, and reads the
         largest probe over the ranks (NaN anywhere is inf everywhere), so all
-        decide alike. (The optimizers that read ``measures`` refuse shards.)
+        decide alike. (FlatSGD, which reads ``measures``, reads them over the ranks itself.)
         """
         largest = torch.stack([unit.probe for unit in work] or [torch.zeros(())]).max()
         if self._shards is not None:

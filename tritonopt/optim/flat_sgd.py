@@ -11,10 +11,12 @@ import math
 from typing import Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from tritonopt._validation import check_bool, check_float
 from tritonopt.optim._blocks import BlockLayout
 from tritonopt.optim._packed import CheckpointSpec, PackedGroup, PackedOptimizer, StepWork, bind_flat_state
+from tritonopt.optim._sharding import is_sharded, local_tensor
 from tritonopt.optim.functional import flat_sgd
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -34,21 +36,40 @@ class _FlatGroup(PackedGroup):
     ``state`` holds the flat momentum buffer once it exists, ``work`` the float32 copy of
     narrower weights. ``bounds`` are upper bounds on ``max|weights|`` and ``max|momentum|``
     that the steps keep up to date (None until the next step measures them).
+
+    ``sharded``: the parameters are DTensors, whose storage FSDP2 owns, so ``weights`` and
+    ``grad`` are copies of the rank's local shards instead (also in ``work``, so that they
+    count in the optimizer's bytes), packed before each step and the weights written back
+    after it.
     """
 
-    def __init__(self, layout: BlockLayout, weights: torch.Tensor, grad: torch.Tensor):
+    def __init__(self, layout: BlockLayout, weights: torch.Tensor, grad: torch.Tensor, *, sharded: bool = False):
         work = {} if weights.dtype == torch.float32 else {"weights32": layout.zeros(torch.float32)}
+        if sharded:
+            work.update(shard_weights=weights, shard_grad=grad)
         super().__init__(layout, {}, work)
         self.weights = weights
         self.grad = grad
+        self.sharded = sharded
         self.bounds: Optional[tuple[float, float]] = None
 
     def holds(self, params: Sequence[torch.Tensor]) -> bool:
-        """Whether ``params`` are still this group's tensors, each still the view of its slice."""
+        """Whether ``params`` are still this group's tensors, each still the view of its slice (sharded: each
+        local shard still the tensor the group was built for)."""
+        if self.sharded:
+            return self.layout.matches(params) and all(
+                now.dtype == then.dtype and now.shape == then.shape and now.data_ptr() == then.data_ptr()
+                for now, then in zip((local_tensor(p) for p in params), self.layout.locals)
+            )
         return self.layout.matches(params) and all(
             p.dtype == view.dtype and p.data_ptr() == view.data_ptr()
             for p, view in zip(params, self.layout.views(self.weights))
         )
+
+    def write_back(self) -> None:
+        """Sharded: the stepped weights into the parameters' local shards."""
+        for local, view in zip(self.layout.locals, self.layout.views(self.weights)):
+            local.copy_(view)
 
 
 class FlatSGD(PackedOptimizer):
@@ -104,11 +125,26 @@ class FlatSGD(PackedOptimizer):
     copied into the flat buffer before the step. Replacing a parameter's
     ``.data`` (or copying, unpickling or loading the optimizer) is noticed at
     the next step, which moves the parameters into a fresh flat buffer.
+
+    Sharded parameters (DTensors of FSDP2's ``fully_shard``: ``Shard(0)`` or
+    ``Replicate()`` on a 1-D mesh) stay where FSDP2 keeps them: each step
+    copies the rank's local shards and their gradients into the group's flat
+    buffers, steps them and writes the weights back, and ``zero_grad`` is
+    ``torch.optim.Optimizer``'s (``set_to_none`` honoured). The update is
+    elementwise, so it equals the unsharded optimizer's bit for bit; the
+    momentum is the rank's part. The ranks decide alike: each step all-reduces
+    (max) one float32 per group, its largest gradient entry (4 more bytes for
+    the weights and 4 for the momentum, per group, at a step that measures the
+    bounds), so every rank skips or raises on a non-finite gradient anywhere and
+    computes the same bounds; a step that could overflow all-reduces its
+    measured bounds (8 bytes per group) and is undone on every rank when any
+    rank's result is not finite. The ranks must rebuild their buffers together
+    (they do: the first step, a load, a refused step that created state).
     """
 
     ALGO = "flat_sgd"
-    SHARDING_REFUSAL = ("it moves the parameters into a flat buffer of its own (each becomes a view of it), "
-                        "while FSDP2 owns the storage of the sharded parameters; use torch.optim.SGD")
+    SHARDING_REFUSAL = None
+    LIKE_PARAM_ENTRIES = frozenset({"momentum_buffer"})
 
     def __init__(
         self,
@@ -155,6 +191,17 @@ class FlatSGD(PackedOptimizer):
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in a group")
 
+    def _check_grads(self, params: Sequence[torch.Tensor]) -> None:
+        super()._check_grads(params)
+        for p in params:
+            if is_sharded(p) and not (is_sharded(p.grad) and p.grad.placements == p.placements
+                                      and local_tensor(p.grad).shape == local_tensor(p).shape):
+                placements = getattr(p.grad, "placements", None)
+                raise RuntimeError(
+                    f"the gradient of a DTensor parameter with placement {tuple(p.placements)} must be a DTensor "
+                    f"laid out like it, got {'a plain tensor' if placements is None else tuple(placements)}"
+                )
+
     def _checkpoint_spec(self, index: int, group: dict, params) -> CheckpointSpec:
         return CheckpointSpec(per_param=frozenset(), like_param=frozenset({"momentum_buffer"}),
                               optional=frozenset({"momentum_buffer"}), group_counters={"step": _MAX_STEPS},
@@ -178,6 +225,15 @@ class FlatSGD(PackedOptimizer):
         if packed is not None and packed.holds(params):
             return packed
         self._check_params(params)  # their dtype or device may have changed with their data
+        if self._shards is not None:
+            # One block of the rank's local elements; a rank holding none of the group's rows keeps one padding
+            # element, so that it still takes part in every collective of the step.
+            local_total = sum(local_tensor(p).numel() for p in params)
+            layout = BlockLayout(params, max(local_total, 1), span=max(local_total, 1))
+            dtype = params[0].dtype
+            packed = _FlatGroup(layout, layout.zeros(dtype), layout.zeros(dtype), sharded=True)
+            self._packed[index] = packed
+            return packed
         layout = BlockLayout(params, sum(p.numel() for p in params))
         weights, grad = layout.zeros(params[0].dtype), layout.zeros(params[0].dtype)
         with torch.no_grad():
@@ -202,8 +258,20 @@ class FlatSGD(PackedOptimizer):
                 view.copy_(p.grad)
             p.grad = view
 
+    def _pack_shards(self, packed: _FlatGroup) -> None:
+        """Sharded: the local shards and their gradients (zero where None) into the group's flat buffers."""
+        packed.layout.pack(packed.layout.tensors, packed.weights)
+        for p, view in zip(packed.layout.tensors, packed.layout.views(packed.grad)):
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(local_tensor(p.grad))
+
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002  (the views must stay)
+        if self._shards is not None:  # FSDP2 owns the gradients: nothing of ours is attached to them
+            super().zero_grad(set_to_none)
+            return
         for index, group in enumerate(self.param_groups):
             packed = self._packed_group(index, [group], group["params"])
             packed.grad.zero_()
@@ -214,7 +282,10 @@ class FlatSGD(PackedOptimizer):
 
     def _prepare(self, index: int, groups: list[dict]) -> StepWork:
         packed = self._packed_group(index, groups, groups[0]["params"])
-        self._gather_gradients(packed)
+        if packed.sharded:
+            self._pack_shards(packed)
+        else:
+            self._gather_gradients(packed)
         # The group's largest gradient entry and, where the flat buffers were just built, the bounds'
         # first measure: its weights' and momentum's largest entries.
         largest_grad = packed.grad.abs().amax().float()
@@ -222,6 +293,22 @@ class FlatSGD(PackedOptimizer):
         if packed.bounds is None:
             measures += [packed.weights.abs().amax().float(), self._largest_momentum(packed)]
         return StepWork(index, groups, list(packed.layout.tensors), packed, largest_grad, measures=measures)
+
+    def _read(self, work: list[StepWork]) -> float:
+        if self._shards is None:
+            return super()._read(work)
+        # Every rank reads the largest value over the ranks of each measure (the group's largest gradient entry
+        # first), in one all-reduce; NaN anywhere is inf everywhere, so the ranks skip and bound alike.
+        readings = self._largest_over_ranks([value for unit in work for value in unit.measures])
+        for unit in work:
+            unit.readings, readings = readings[:len(unit.measures)], readings[len(unit.measures):]
+        return max(unit.readings[0] for unit in work)
+
+    def _largest_over_ranks(self, values: list[torch.Tensor]) -> list[float]:
+        """Each 0-d ``value``'s largest over the ranks, in one all-reduce (NaN taken as inf)."""
+        # posinf too: nan_to_num's default would turn inf into the largest finite float.
+        stacked = torch.nan_to_num(torch.stack(values).to(torch.float32), nan=math.inf, posinf=math.inf)
+        return self._shards.all_reduce(stacked, dist.ReduceOp.MAX).tolist()
 
     def _update(self, work: list[StepWork], stateless) -> None:
         bounds, risky = [], False
@@ -248,10 +335,12 @@ class FlatSGD(PackedOptimizer):
             flat_sgd(packed.weights, packed.grad, packed.state.get("momentum_buffer"), first_step=first_step,
                      work=packed.work.get("weights32"), **hyperparameters)
         if risky:
-            # One read: every group's largest weight and momentum entry (NaN and inf propagate).
-            measured = torch.stack([value for unit in work for value in
-                                    (unit.packed.weights.abs().amax().float(),
-                                     self._largest_momentum(unit.packed))]).tolist()
+            # One read: every group's largest weight and momentum entry (NaN and inf propagate), over the
+            # ranks where sharded, so that all undo the step when any rank's result is not finite.
+            measured = [value for unit in work for value in
+                        (unit.packed.weights.abs().amax().float(), self._largest_momentum(unit.packed))]
+            measured = (torch.stack(measured).tolist() if self._shards is None
+                        else self._largest_over_ranks(measured))
             if not all(math.isfinite(value) for value in measured):
                 for unit, kept in zip(work, saved):
                     self._restore(unit.packed, kept)
@@ -260,6 +349,8 @@ class FlatSGD(PackedOptimizer):
                 return
             bounds = list(zip(measured[0::2], measured[1::2]))
         for unit, after in zip(work, bounds):
+            if unit.packed.sharded:
+                unit.packed.write_back()
             unit.packed.bounds = after
             counter = self.state[unit.packed.layout.tensors[0]]
             counter["step"] = counter.get("step", 0) + 1
