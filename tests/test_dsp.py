@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import threading
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -447,35 +449,63 @@ def test_a_tritonopt_optimizer_per_stage():
 # --------------------------------------------------------------------------- overlapped recompute
 
 
-def _recompute_threads(module):
-    """Names of the threads that ran ``module`` with a graph (its recomputations)."""
-    names = []
-    module.register_forward_hook(
-        lambda mod, args, out: names.append(threading.current_thread().name) if torch.is_grad_enabled() else None
-    )
-    return names
+class _Recomputations(NamedTuple):
+    """Where ``module`` ran with a graph (its recomputations), one entry per run, in order."""
+
+    threads: list[str]  # the thread's name
+    streams: list  # the current CUDA stream (on CUDA only)
 
 
-def _run_with(recompute, make_model, cuts, batches, staleness, **options):
-    model = make_model()
+def _recomputations(module, device: torch.device) -> _Recomputations:
+    seen = _Recomputations([], [])
+
+    def note(mod, args, out):
+        if torch.is_grad_enabled():
+            seen.threads.append(threading.current_thread().name)
+            if device.type == "cuda":
+                seen.streams.append(torch.cuda.current_stream(device))
+
+    module.register_forward_hook(note)
+    return seen
+
+
+class _Run(NamedTuple):
+    losses: torch.Tensor
+    state: list[torch.Tensor]  # parameters and buffers
+    rng_after: torch.Tensor  # the caller's next draws: CPU, and on CUDA the device's too
+    threads: list[str]
+    streams: list
+
+
+def _run_with(recompute, make_model, cuts, batches, staleness, device=torch.device("cpu"), **options) -> _Run:
+    model = make_model().to(device)
     stages = split_stages(model, boundaries=cuts)
-    threads = _recompute_threads(stages[0])
+    seen = _recomputations(stages[0], device)
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
     torch.manual_seed(21)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no stage falls back to serial
         losses = simulate_dsp(stages, [sgd(s.parameters()) for s in stages], batches, staleness, LOSS,
                               recompute=recompute, **options)
-    return losses, state(model), torch.rand(4), threads
+    rng_after = torch.rand(4)
+    if device.type == "cuda":
+        rng_after = torch.stack([rng_after, torch.rand(4, device=device).cpu()])
+    return _Run(losses, state(model), rng_after, seen.threads, seen.streams)
+
+
+def _overlap_scenario(model):
+    """(make_model, cuts, batches, staleness): BatchNorm and dropout in a cnn, dropout in a 3-stage mlp."""
+    return {
+        "cnn": (make_cnn, [4], cnn_batches(), [3, 0]),
+        "mlp": (lambda: make_mlp(dropout=0.3), MLP_CUTS[3], mlp_batches(), [4, 2, 0]),
+    }[model]
 
 
 @pytest.mark.parametrize("bn_policy", ["forward", "recompute"])
 @pytest.mark.parametrize("model", ["cnn", "mlp"])
 def test_overlapped_recompute_equals_serial_bit_for_bit(model, bn_policy):
     """Dropout masks, running statistics, weights and the caller's RNG stream: the same bits."""
-    make, cuts, batches, staleness = {
-        "cnn": (make_cnn, [4], cnn_batches(), [3, 0]),
-        "mlp": (lambda: make_mlp(dropout=0.3), MLP_CUTS[3], mlp_batches(), [4, 2, 0]),
-    }[model]
+    make, cuts, batches, staleness = _overlap_scenario(model)
     serial = _run_with("serial", make, cuts, batches, staleness, bn_policy=bn_policy)
     overlap = _run_with("overlap", make, cuts, batches, staleness, bn_policy=bn_policy)
     assert torch.equal(serial[0], overlap[0])
@@ -486,6 +516,52 @@ def test_overlapped_recompute_equals_serial_bit_for_bit(model, bn_policy):
     workers = [name for name in overlap[3] if name != "MainThread"]
     assert len(workers) == len(batches) - staleness[0] and len(overlap[3]) == len(batches)
     assert not [t for t in threading.enumerate() if t.name.startswith("tritonopt-dsp-recompute")]
+
+
+@contextlib.contextmanager
+def _deterministic_cudnn():
+    """cuDNN's default convolution backward may use atomics: then two serial runs differ already."""
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn_policy", ["forward", "recompute"])
+@pytest.mark.parametrize("model", ["cnn", "mlp"])
+def test_overlapped_recompute_on_cuda_runs_on_a_side_stream_and_equals_serial_bit_for_bit(model, bn_policy):
+    """On CUDA the overlap is a side stream driven by the stage's own thread, with the serial bits.
+
+    The model, batches and error gradients live on the GPU; the caller's CPU and CUDA RNG
+    streams must continue alike. A second serial run first shows that the kernels themselves
+    repeat bit for bit, so a difference is the overlap's.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    caller_stream = torch.cuda.current_stream(device)
+    make, cuts, batches, staleness = _overlap_scenario(model)
+    with _deterministic_cudnn():
+        serial, serial_again, overlap = (
+            _run_with(mode, make, cuts, batches, staleness, device=device, bn_policy=bn_policy)
+            for mode in ("serial", "serial", "overlap")
+        )
+    assert overlap.losses.device == device and overlap.state[0].device == device
+    assert torch.equal(serial.losses, serial_again.losses), "two serial runs differ: the kernels do not repeat"
+    assert_same(serial.state, serial_again.state)
+    assert torch.equal(serial.losses, overlap.losses)
+    assert_same(serial.state, overlap.state)  # parameters and buffers
+    assert torch.equal(serial.rng_after, overlap.rng_after)  # the caller's CPU and CUDA streams continue alike
+    # No worker thread: the stage's thread queues the recomputation on one side stream, except
+    # the drain's (no forward left to overlap), which runs serially on the caller's stream.
+    assert set(serial.threads) == set(overlap.threads) == {"MainThread"}
+    assert not [t for t in threading.enumerate() if t.name.startswith("tritonopt-dsp-recompute")]
+    assert set(serial.streams) == {caller_stream} and len(serial.streams) == len(batches)
+    side_streams = [stream for stream in overlap.streams if stream != caller_stream]
+    assert len(side_streams) == len(batches) - staleness[0] and len(overlap.streams) == len(batches)
+    assert len(set(side_streams)) == 1
+    assert torch.cuda.current_stream(device) == caller_stream
 
 
 def test_overlapped_recompute_with_own_seeds_streaming_and_any_interleaving():
