@@ -718,3 +718,32 @@ def test_a_bad_recompute_mode_is_rejected_before_anything_changes():
         StageCompute(stages[0], optimizers[0], 1, is_first=True, is_last=False, recompute=None)
     assert_same(state(model), before)
     assert all(not o.state for o in optimizers)
+
+
+def test_a_recomputation_on_the_side_stream_is_waited_for_when_it_is_dropped_too(monkeypatch):
+    # On CUDA the recomputation's shadow buffers and output live on memory the caller's stream
+    # allocated: every exit of take() and discard() must order the caller's stream after the
+    # side stream, or the allocator could reuse that memory while the side stream writes it.
+    # Here a stand-in stream records the waits (the CUDA run is in the gpu-marked test above).
+    from tritonopt.dist.dsp_overlap import OverlappedRecompute, _Prefetch
+
+    waited = []
+
+    class Stream:
+        def wait_event(self, event):
+            waited.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    module = nn.Linear(2, 2)
+    overlap = OverlappedRecompute(module, "forward", needs_input_grad=True, replay_rng=None)
+    exits = {
+        "another batch": lambda: overlap.take(4),
+        "the weights moved": lambda: overlap.take(3),  # versions recorded as [] never match
+        "discarded": overlap.discard,
+    }
+    for reason, leave in exits.items():
+        done = object()
+        overlap._running = _Prefetch(3, module, [], None, cuda_done=done, output=torch.zeros(1))
+        assert leave() is None, reason
+        assert waited and waited[-1] is done, reason
+        waited.clear()

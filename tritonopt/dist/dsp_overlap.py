@@ -165,6 +165,17 @@ class _Prefetch:
     error: Optional[BaseException] = None
 
 
+def _wait_for_side_stream(prefetch: _Prefetch) -> None:
+    """The caller's stream waits for a recomputation on the side stream, used or dropped.
+
+    Its shadow buffers and output were allocated on the caller's stream; dropped without the
+    wait, the caching allocator could hand their memory to the caller's next kernels while the
+    side stream still writes it.
+    """
+    if prefetch.cuda_done is not None:
+        torch.cuda.current_stream(prefetch.output.device).wait_event(prefetch.cuda_done)
+
+
 @dataclass(eq=False)
 class OverlappedRecompute:
     """One stage's recomputation of the next backward's input, run beside its forward.
@@ -245,6 +256,7 @@ class OverlappedRecompute:
         if prefetch.thread is not None:
             with nvtx_range("tritonopt/dsp/wait_recompute"):
                 prefetch.thread.join()
+        _wait_for_side_stream(prefetch)
         if prefetch.batch != batch:
             return None
         if prefetch.error is not None:
@@ -263,8 +275,6 @@ class OverlappedRecompute:
                 "must follow it"
             )
             return None
-        if prefetch.cuda_done is not None:
-            torch.cuda.current_stream(prefetch.output.device).wait_event(prefetch.cuda_done)
         if self.bn_policy == "recompute":  # the recomputation's buffer update is the one kept
             with torch.no_grad():
                 for kept, recomputed in zip(self.module.buffers(), prefetch.shadow.buffers()):
@@ -276,6 +286,8 @@ class OverlappedRecompute:
         prefetch, self._running = self._running, None
         if prefetch is not None and prefetch.thread is not None:
             prefetch.thread.join()
+        if prefetch is not None:
+            _wait_for_side_stream(prefetch)
 
     def _turn_off(self, reason: str) -> None:
         self.off_reason = reason
