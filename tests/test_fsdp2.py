@@ -236,20 +236,25 @@ def _refusals(rank, mesh):
 
 
 def _skip_together(rank, mesh):
-    """A NaN in one rank's shard makes both ranks skip the step (no rank waits on the other's all-reduce)."""
+    """A NaN, or an inf, in one rank's shard makes both ranks skip the step (no rank waits on the other's
+    all-reduce)."""
     import warnings
 
-    model = _sharded_model(mesh)
-    opt = _optimizer("MFAC", model.parameters())
-    _backward(model, rank, 0)
-    if rank == 1:
-        next(model.parameters()).grad.to_local()[0, 0] = float("nan")
-    before = [p.to_local().clone() for p in model.parameters()]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opt.step()
-    return {"skipped": opt.skipped_steps,
-            "unchanged": all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))}
+    out = {}
+    for bad in ("nan", "inf", "-inf"):
+        model = _sharded_model(mesh)
+        opt = _optimizer("MFAC", model.parameters())
+        _backward(model, rank, 0)
+        if rank == 1:
+            next(model.parameters()).grad.to_local()[0, 0] = float(bad)
+        before = [p.to_local().clone() for p in model.parameters()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        out[bad] = {"skipped": opt.skipped_steps,
+                    "unchanged": all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters())),
+                    "says_nonfinite": any("NaN or inf" in str(w.message) for w in caught)}
+    return out
 
 
 def _flat_sgd_together(rank, mesh):
@@ -457,9 +462,11 @@ def test_ranks_with_other_settings_fail_naming_the_setting(ranks):
         assert "rank 0 has 0.1" in message and "rank 1 has 0.2" in message
 
 
-def test_a_nan_on_one_rank_skips_the_step_on_every_rank(ranks):
+def test_a_nan_or_inf_on_one_rank_skips_the_step_on_every_rank(ranks):
     for result in ranks:
-        assert result["skip"] == {"skipped": 1, "unchanged": True}
+        for bad in ("nan", "inf", "-inf"):
+            # Every rank names the cause: an inf read as the largest finite float would pass for "too large".
+            assert result["skip"][bad] == {"skipped": 1, "unchanged": True, "says_nonfinite": True}, bad
 
 
 def test_flat_sgd_steps_that_share_one_float_per_group(ranks):

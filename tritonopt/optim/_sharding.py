@@ -152,8 +152,11 @@ class ShardGroup:
         return tensor
 
     def largest(self, value: torch.Tensor) -> float:
-        """The largest ``value`` (a 0-d float tensor) over the ranks; NaN on any rank gives inf everywhere."""
-        value = torch.nan_to_num(value.reshape(1).to(torch.float32), nan=math.inf)
+        """The largest ``value`` (a 0-d float tensor) over the ranks; NaN or inf on any rank gives inf everywhere."""
+        value = value.reshape(1).to(torch.float32)
+        # Every non-finite value becomes +inf: NaN would lose the MAX, and nan_to_num's default would read
+        # an inf as the largest finite float, a "too large" gradient instead of a non-finite one.
+        value = torch.where(value.isfinite(), value, torch.full_like(value, math.inf))
         return float(self.all_reduce(value, dist.ReduceOp.MAX))
 
     def check_agree(self, owner: str, settings: dict) -> None:
