@@ -44,9 +44,11 @@ import torch
 
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_bool, check_int
+from tritonopt.kernels.lowrank import DEPENDENT_TOLERANCE, GRAM_SCHMIDT_EPS
 from tritonopt.ops import sparse_ring_insert
 from tritonopt.optim._blocks import BlockLayout, kept_per_block
 from tritonopt.optim._packed import PackedGroup
+from tritonopt.optim._sharding import is_sharded
 from tritonopt.optim._window_algebra import unfolded_shape
 from tritonopt.optim.functional import (
     dense_window_combine,
@@ -199,6 +201,14 @@ class LowRankWindow:
     The products add the per-tensor Frobenius products, so the preconditioner
     sees the whole compressed gradient (EFCP's "global" LR-MFAC). 1-D tensors
     are stored exactly, with no error feedback (EFCP App. I).
+
+    Sharded (``packed.shards`` set): a ``Shard(0)`` tensor's rows of ``E``,
+    ``P`` and ``ring_p`` are the rank's rows, while ``Q``, ``lowrank_q`` and
+    ``ring_q`` are whole on every rank (PowerSGD's distributed pattern, see
+    :meth:`compress_row_sharded`). ``P_j^T P`` is a sum over rows, so each
+    rank's part of ``s`` uses its own rows, and the optimizer's one all-reduce
+    of ``s`` sums them; a ``Replicate()`` tensor's part counts ``1 / world``.
+    1-D and replicated tensors are compressed locally, as unsharded.
     """
 
     BLOCKWISE = False
@@ -217,9 +227,9 @@ class LowRankWindow:
     def initial_state(state: dict, group: dict, layout: BlockLayout, dtype: torch.dtype, *, seed: int = 0) -> dict:
         m, rank = group["ngrads"], group["rank"]
         gen = torch.Generator().manual_seed(seed)
-        for p in layout.tensors:
+        for p, local in zip(layout.tensors, layout.locals):
             entry = state[p]
-            n, cols = unfolded_shape(p)
+            n, cols = unfolded_shape(local)  # a Shard(0) tensor keeps its own rows of P
             compressed = p.dim() >= 2
             if "lowrank_q" not in entry:
                 f32 = dict(dtype=torch.float32)  # whatever torch's default dtype is
@@ -253,12 +263,94 @@ class LowRankWindow:
         layout = packed.layout
         entries = [state[p] for p in layout.tensors]
         ring_ps, ring_qs = [e["ring_p"] for e in entries], [e["ring_q"] for e in entries]
+        shards = getattr(packed, "shards", None)
+        tensors = (layout.views(packed.grad), layout.views(packed.error), [e["lowrank_q"] for e in entries],
+                   ring_ps, ring_qs)
         with nvtx_range(f"tritonopt/{algo}/compress"):
-            lowrank_window_compress(layout.views(packed.grad), layout.views(packed.error),
-                                    [e["lowrank_q"] for e in entries], ring_ps, ring_qs, slot, active)
+            if shards is None:
+                lowrank_window_compress(*tensors, slot, active)
+            else:  # a Shard(0) matrix is compressed over the ranks' rows; the rest locally, as unsharded
+                split = [_row_sharded(p) and p.dim() >= 2 for p in layout.tensors]
+                local = [i for i, s in enumerate(split) if not s]
+                rows = [i for i, s in enumerate(split) if s]
+                lowrank_window_compress(*([x[i] for i in local] for x in tensors), slot, [active[i] for i in local])
+                LowRankWindow.compress_row_sharded(shards, *([x[i] for i in rows] for x in tensors),
+                                                   [active[i] for i in rows], slot)
             packed.stats["error_norm"] = packed.error.norm()
         with nvtx_range(f"tritonopt/{algo}/sp"):
-            return lowrank_window_products(ring_ps, ring_qs, slot)
+            if shards is None:
+                return lowrank_window_products(ring_ps, ring_qs, slot)
+            # This rank's part of s: its rows of each Shard(0) tensor, 1 / world of each replicated one.
+            products = torch.zeros(ring_ps[0].shape[0], dtype=torch.float64, device=ring_ps[0].device)
+            for p, ring_p, ring_q in zip(layout.tensors, ring_ps, ring_qs):
+                part = lowrank_window_products([ring_p], [ring_q], slot)
+                products += part if _row_sharded(p) else part / shards.spec.world
+            return products
+
+    @staticmethod
+    def compress_row_sharded(shards, grads: Sequence[torch.Tensor], errors: Sequence[torch.Tensor],
+                             warm_starts: Sequence[torch.Tensor], ring_ps: Sequence[torch.Tensor],
+                             ring_qs: Sequence[torch.Tensor], active: Sequence[bool], slot: int) -> None:
+        """``lowrank_ef`` of ``Shard(0)`` tensors of two or more dimensions, over the ranks' rows together.
+
+        Each rank holds its rows of ``A = E + G`` (``[n_a, p]``) and the whole warm
+        start ``Q``. ``Y = A Q`` is local. The Gram-Schmidt is
+        :func:`~tritonopt.kernels.lowrank.gram_schmidt_`'s, step by step, with every
+        sum over rows (the column norms, then each column's inner products with
+        the later ones) formed per rank and all-reduced in float32, so its
+        arithmetic equals the unsharded one's up to the order of those sums:
+        ``2 r - 1`` all-reduces (``r + r (r - 1) / 2 + (r - 1)`` floats per
+        tensor), each one for all tensors. ``Q = A^T P`` is one more
+        (``p r`` floats per tensor), then ``E = A - P Q^T`` on the local rows.
+        Where the all-reduced Gram-Schmidt dropped a column (the same decision on
+        every rank), ``Q`` keeps the warm start's column. A tensor without a
+        gradient takes part with zeros, stores a zero row and keeps its error
+        and warm start, so every rank makes the same calls.
+        """
+        if not grads:
+            return
+        rank = warm_starts[0].shape[1]
+        factors, sources = [], []
+        for g, e, warm, is_active in zip(grads, errors, warm_starts, active):
+            n, cols = unfolded_shape(g)
+            if is_active:
+                a = e.view(n, cols).add_(g.view(n, cols).to(torch.float32))
+                factors.append(a @ warm)
+            else:
+                a = None
+                factors.append(torch.zeros((n, rank), dtype=torch.float32, device=g.device))
+            sources.append(a)
+        squares = shards.all_reduce(torch.stack([y.square().sum(dim=0) for y in factors]))  # [T, r]
+        original = squares.sqrt()
+        norms = original[:, 0]
+        kept = []
+        for i in range(rank):
+            keep = norms > DEPENDENT_TOLERANCE * original[:, i]
+            kept.append(keep)
+            scales = torch.where(keep, 1.0 / (norms + GRAM_SCHMIDT_EPS), torch.zeros_like(norms))
+            for y, scale in zip(factors, scales):
+                y[:, i : i + 1].mul_(scale)
+            if i + 1 == rank:
+                break
+            inner = shards.all_reduce(torch.cat([(y[:, i : i + 1].T @ y[:, i + 1 :]).view(-1) for y in factors]))
+            for y, projections in zip(factors, inner.view(len(factors), rank - i - 1)):
+                y[:, i + 1 :].sub_(y[:, i : i + 1] * projections.view(1, -1))
+            norms = shards.all_reduce(torch.stack([y[:, i + 1].square().sum() for y in factors])).sqrt()
+        alive = torch.stack(kept, dim=1)  # [T, r]
+        partial = [a.T @ y if a is not None else torch.zeros_like(warm)
+                   for a, y, warm in zip(sources, factors, warm_starts)]
+        backs = shards.all_reduce(torch.cat([q.view(-1) for q in partial])).split([q.numel() for q in partial])
+        for a, y, back, warm, ring_p, ring_q, living in zip(sources, factors, backs, warm_starts, ring_ps, ring_qs,
+                                                            alive):
+            if a is None:
+                ring_p[slot].zero_()
+                ring_q[slot].zero_()
+                continue
+            q = back.view_as(warm)
+            a.sub_(y @ q.T)
+            warm.copy_(torch.where(living, q, warm))
+            ring_p[slot].copy_(y)
+            ring_q[slot].copy_(warm)
 
     @staticmethod
     def combine(state: dict, group: dict, packed: PackedGroup, weights: torch.Tensor):
@@ -267,3 +359,7 @@ class LowRankWindow:
         lowrank_window_combine([e["ring_p"] for e in entries], [e["ring_q"] for e in entries], weights,
                                packed.layout.views(direction))
         return direction
+
+
+def _row_sharded(p) -> bool:
+    return is_sharded(p) and not p.placements[0].is_replicate()

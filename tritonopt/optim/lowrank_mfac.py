@@ -8,6 +8,8 @@ import torch
 
 from tritonopt._validation import check_int
 from tritonopt.optim._blocks import BlockLayout
+from tritonopt.optim._packed import PackedGroup
+from tritonopt.optim._sharding import DTensor, Shard, is_sharded
 from tritonopt.optim._window_algebra import mfac_weights
 from tritonopt.optim._windows import LowRankWindow
 from tritonopt.optim.windowed import WindowedPreconditioner
@@ -42,6 +44,12 @@ class LowRankMFAC(WindowedPreconditioner):
     ``dots``, ``ring_slot``, ``ring_filled``. Memory ``4 m r sum_l (n_l + p_l)``
     bytes for the window.
 
+    Sharded parameters (FSDP2's ``Shard(0)`` and ``Replicate()`` DTensors): each
+    rank keeps its rows of ``error`` and ``ring_p`` and the whole ``lowrank_q`` and
+    ``ring_q``; the power iteration's sums over rows are all-reduced (see
+    :meth:`LowRankWindow.compress_row_sharded <tritonopt.optim._windows.LowRankWindow.compress_row_sharded>`),
+    and the result equals the unsharded optimizer's up to the order of the float32 sums.
+
     Args:
         lr, ngrads, damp, momentum, weight_decay, max_update_norm, per_group_windows,
             track_error_norm, on_nonfinite: as :class:`tritonopt.optim.mfac.MFAC`.
@@ -54,8 +62,7 @@ class LowRankMFAC(WindowedPreconditioner):
     WEIGHTS = staticmethod(mfac_weights)
     SCALE = "damp"
     FREEZE_BY_ZERO_ACCUMULATOR = False
-    SHARDING_REFUSAL = ("its power iteration compresses each whole gradient tensor (P = GS(E Q) and Q = E^T P "
-                        "mix every row), and a rank holds only some rows of a sharded one; use SparseMFAC or MFAC")
+    SHARDING_REFUSAL = None
 
     def __init__(
         self,
@@ -84,3 +91,22 @@ class LowRankMFAC(WindowedPreconditioner):
 
     def _initial_window(self, group: dict, layout: BlockLayout, dtype: torch.dtype) -> dict:
         return LowRankWindow.initial_state(self.state, group, layout, dtype, seed=self._seed)
+
+    def _packed_group(self, index: int, groups: list[dict], params: list[torch.Tensor]) -> PackedGroup:
+        packed = super()._packed_group(index, groups, params)
+        packed.shards = self._shards  # the window's power iteration sums over the ranks' rows
+        return packed
+
+    def _sharded_state(self, saved_state: dict) -> dict:
+        """As the base class's, with each ``Shard(0)`` tensor's ``ring_p`` (its rows, ``[m, n_a, r]``) shown as
+        the rank's part of an ``[m, n, r]`` DTensor, so that ``torch.distributed.checkpoint`` saves every
+        rank's rows. ``lowrank_q``, ``ring_q`` and ``dots`` are the same on every rank and stay plain."""
+        shown = super()._sharded_state(saved_state)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for key, entry in shown.items():
+            p, ring_p = params[key], entry.get("ring_p")
+            if isinstance(ring_p, torch.Tensor) and is_sharded(p) and not p.placements[0].is_replicate():
+                shape = (ring_p.shape[0], p.shape[0], ring_p.shape[2])
+                entry["ring_p"] = DTensor.from_local(ring_p.clone(), p.device_mesh, [Shard(1)], run_check=False,
+                                                     shape=shape, stride=(shape[1] * shape[2], shape[2], 1))
+        return shown
