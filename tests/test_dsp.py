@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import re
 import threading
 import warnings
 from typing import NamedTuple
@@ -15,7 +16,7 @@ from torch import nn
 from torch.distributed.pipelining import pipe_split
 
 from tritonopt.dist import DSPSimulator, simulate_dsp, split_stages
-from tritonopt.dist.dsp_core import StageCompute, check_staleness, stage_actions
+from tritonopt.dist.dsp_core import StageCompute, check_modes, check_staleness, stage_actions
 
 LOSS = nn.functional.cross_entropy
 
@@ -718,6 +719,32 @@ def test_a_bad_recompute_mode_is_rejected_before_anything_changes():
         StageCompute(stages[0], optimizers[0], 1, is_first=True, is_last=False, recompute=None)
     assert_same(state(model), before)
     assert all(not o.state for o in optimizers)
+
+
+@pytest.mark.parametrize("bad", ["bn_policy", "flush"])
+def test_a_bad_bn_policy_or_flush_is_named_and_rejected_before_anything_changes(bad):
+    model = make_mlp()
+    stages = split_stages(model, boundaries=[3])
+    optimizers = [sgd(s.parameters()) for s in stages]
+    before = state(model)
+    choices = {"bn_policy": "('forward', 'recompute')", "flush": "('epoch', 'never')"}[bad]
+    with pytest.raises(ValueError, match=re.escape(f"{bad} must be one of {choices}, got 'sometimes'")):
+        simulate_dsp(stages, optimizers, mlp_batches(), [1, 0], LOSS, **{bad: "sometimes"})
+    if bad == "bn_policy":
+        with pytest.raises(ValueError, match="bn_policy must be one of"):
+            StageCompute(stages[0], optimizers[0], 1, is_first=True, is_last=False, bn_policy="sometimes")
+    assert_same(state(model), before)
+    assert all(not o.state for o in optimizers)
+
+
+def test_the_first_bad_mode_is_the_one_named():
+    with pytest.raises(ValueError, match="^bn_policy must"):
+        check_modes(bn_policy="x", recompute="y", flush="z")
+    with pytest.raises(ValueError, match="^recompute must"):
+        check_modes(bn_policy="forward", recompute="y", flush="z")
+    check_modes(bn_policy="recompute", recompute="overlap", flush="never")
+    with pytest.raises(TypeError, match="unknown mode 'staleness'"):
+        check_modes(staleness=1)
 
 
 def test_a_recomputation_on_the_side_stream_is_waited_for_when_it_is_dropped_too(monkeypatch):

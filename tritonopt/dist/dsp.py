@@ -78,11 +78,9 @@ from tritonopt.dist._collective_guard import (
 )
 from tritonopt.dist._comm import CountingCommunicator
 from tritonopt.dist.dsp_core import (
-    BN_POLICIES,
-    FLUSH_MODES,
-    RECOMPUTE_MODES,
     PhaseHook,
     StageCompute,
+    check_modes,
     check_staleness,
     stage_actions,
 )
@@ -235,12 +233,7 @@ class DSPStage:
             raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
         if self.is_last and not callable(loss_fn):
             raise TypeError(f"the last stage needs a callable loss_fn, got {type(loss_fn).__name__}")
-        if bn_policy not in BN_POLICIES:
-            raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
-        if recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-        if flush not in FLUSH_MODES:
-            raise ValueError(f"flush must be one of {FLUSH_MODES}, got {flush!r}")
+        check_modes(bn_policy=bn_policy, recompute=recompute, flush=flush)
         if phase_hook is not None and not callable(phase_hook):
             raise TypeError(f"phase_hook must be callable, got {type(phase_hook).__name__}")
 

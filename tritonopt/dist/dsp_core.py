@@ -66,6 +66,7 @@ __all__ = [
     "FLUSH_MODES",
     "RECOMPUTE_MODES",
     "StageCompute",
+    "check_modes",
     "check_staleness",
     "stage_actions",
 ]
@@ -73,6 +74,8 @@ __all__ = [
 BN_POLICIES = ("forward", "recompute")
 FLUSH_MODES = ("epoch", "never")
 RECOMPUTE_MODES = ("serial", "overlap")
+# Each mode argument of a stage or pipeline, by name, and the values it takes.
+_MODE_CHOICES = {"bn_policy": BN_POLICIES, "recompute": RECOMPUTE_MODES, "flush": FLUSH_MODES}
 
 # An action of a stage's schedule: ("forward" | "backward" | "forward_backward", batch id).
 Action = tuple[str, int]
@@ -82,6 +85,15 @@ PhaseHook = Callable[[str, int, float], None]
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_modes(**modes: str) -> None:
+    """Validate mode arguments by name (``bn_policy``, ``recompute``, ``flush``), in the order given."""
+    for name, value in modes.items():
+        if name not in _MODE_CHOICES:
+            raise TypeError(f"check_modes got an unknown mode {name!r}; it knows {list(_MODE_CHOICES)}")
+        if value not in _MODE_CHOICES[name]:
+            raise ValueError(f"{name} must be one of {_MODE_CHOICES[name]}, got {value!r}")
 
 
 def check_staleness(staleness: Sequence[int]) -> tuple[int, ...]:
@@ -238,10 +250,7 @@ class StageCompute:
     _overlap: Optional[OverlappedRecompute] = field(default=None, init=False, repr=False)
 
     def __post_init__(self, record_events: bool) -> None:
-        if self.bn_policy not in BN_POLICIES:
-            raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {self.bn_policy!r}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        check_modes(bn_policy=self.bn_policy, recompute=self.recompute)
         self.events = [] if record_events else None
         if self.recompute == "overlap":
             self._overlap = OverlappedRecompute(

@@ -27,11 +27,9 @@ import torch
 from torch import nn
 
 from tritonopt.dist.dsp_core import (
-    BN_POLICIES,
-    FLUSH_MODES,
-    RECOMPUTE_MODES,
     StageCompute,
     capture_rng,
+    check_modes,
     check_staleness,
     set_rng,
     stage_actions,
@@ -101,12 +99,7 @@ class DSPSimulator:
         staleness = check_staleness(staleness)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if bn_policy not in BN_POLICIES:
-            raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
-        if recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-        if flush not in FLUSH_MODES:
-            raise ValueError(f"flush must be one of {FLUSH_MODES}, got {flush!r}")
+        check_modes(bn_policy=bn_policy, recompute=recompute, flush=flush)
         if seeds is not None:
             seeds = list(seeds)
             if len(seeds) != len(modules) or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
