@@ -156,3 +156,13 @@ def test_checkpoints_hold_unpadded_factors_and_resume_in_the_padded_layout():
         narrow.load_state_dict(state)
         assert narrow.layers[0].a_factor.stride() == (132, 1)
         assert torch.equal(narrow.layers[0].a_factor, precond.layers[0].a_factor.to(torch.bfloat16))
+
+
+def test_the_functional_module_re_exports_each_layer_function_of_kfac_functional():
+    from tritonopt.optim import functional
+
+    for name in kfac_functional.LAYER_FUNCTIONS:
+        assert name in functional.__all__ and name in kfac_functional.__all__
+        assert getattr(functional, name) is getattr(kfac_functional, name)
+    assert functional.__all__[:28] == sorted(functional.__all__[:28])
+    assert not [name for name in kfac_functional.__all__ if name.startswith("kfac_") and name not in functional.__all__]

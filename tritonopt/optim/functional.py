@@ -24,12 +24,13 @@ from tritonopt.ops import sparse_lcg, sparse_sp
 from tritonopt.optim._blocks import kept_per_block
 from tritonopt.optim._window_algebra import (fold_new_row, ggt_weights, mfac_coefficients, mfac_weights,
                                              unfolded_shape, update_gram)
+from tritonopt.optim import kfac_functional as _kfac_functional
 from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statistic, kfac_eigen_data,
                                              kfac_eigendecompose, kfac_inner_products, kfac_inverses,
                                              kfac_kl_clip_scale, kfac_precondition, kfac_running_average)
 
-__all__ = [
-    "all_finite",
+__all__ = sorted([
+    *_kfac_functional.LAYER_FUNCTIONS,
     "apply_decoupled_update",
     "dense_window_combine",
     "dense_window_products",
@@ -38,14 +39,6 @@ __all__ = [
     "ggt_weights",
     "heavy_ball_momentum",
     "kept_per_block",
-    "kfac_accumulate_statistic",
-    "kfac_eigen_data",
-    "kfac_eigendecompose",
-    "kfac_inner_products",
-    "kfac_inverses",
-    "kfac_kl_clip_scale",
-    "kfac_precondition",
-    "kfac_running_average",
     "lowrank_window_combine",
     "lowrank_window_compress",
     "lowrank_window_products",
@@ -57,7 +50,7 @@ __all__ = [
     "sparse_window_products",
     "update_gram",
     "window_weights",
-]
+])
 
 
 def sparse_adagrad(

@@ -56,16 +56,9 @@ from tritonopt.ops import (
     kfac_factor_update,
 )
 
-__all__ = [
-    "COMPUTE_METHODS",
-    "Decomposition",
+# The functions of one layer's arithmetic, which tritonopt.optim.functional re-exports.
+LAYER_FUNCTIONS = (
     "all_finite",
-    "buffer_bytes",
-    "eigen_shapes",
-    "factor_buffer",
-    "factor_row_stride",
-    "finiteness_probes",
-    "gram_finiteness_probes",
     "kfac_accumulate_statistic",
     "kfac_eigen_data",
     "kfac_eigendecompose",
@@ -74,7 +67,18 @@ __all__ = [
     "kfac_kl_clip_scale",
     "kfac_precondition",
     "kfac_running_average",
-]
+)
+__all__ = sorted([
+    "COMPUTE_METHODS",
+    "Decomposition",
+    "buffer_bytes",
+    "eigen_shapes",
+    "factor_buffer",
+    "factor_row_stride",
+    "finiteness_probes",
+    "gram_finiteness_probes",
+    *LAYER_FUNCTIONS,
+])
 
 COMPUTE_METHODS = ("eigen", "inverse")
 
