@@ -49,13 +49,11 @@ class LowRankState(HookState):
             ``r (n + m) * min_compression_rate < n m`` (torch's ``powerSGD_hook`` rule; ``0``
             compresses every tensor with two or more dimensions).
         seed: seeds the initial warm starts, ``randn(m, r)`` per tensor.
-        timeout: a ``datetime.timedelta`` or seconds: the hook's collectives run in a group of the
-            same ranks with this timeout; ``None``: ``process_group`` and its timeout.
+        timeout: as :class:`~tritonopt.dist.EFTopKState`'s (the collectives' group and timeout).
 
     Attributes:
-        communicator: the :class:`~tritonopt.dist._comm.CountingCommunicator`;
-            ``communicator.stats()`` has calls and bytes per label (:mod:`tritonopt.dist.comm_hooks`).
-        iteration: iterations completed.
+        communicator, iteration: as :class:`~tritonopt.dist.EFTopKState`'s (the byte counters,
+            the iterations completed).
     """
 
     LAYER = "LowRankState"
