@@ -90,6 +90,126 @@ def _window_bound(ref, scale: float, kind: str) -> torch.Tensor:
     return dz * window.norm(dim=0) + 2 * _gamma(m) * (w.abs() @ window.abs())
 
 
+def _lowrank_bound(fulls, steps_grads, lr: float, rank: int, ngrads: int, damp: float,
+                   checked: set) -> dict[int, torch.Tensor]:
+    """After each step in ``checked`` and per coordinate, a bound on how far LowRankMFAC's sharded parameters can
+    be from the plain run's (a batched backward per step: the others are replayed, not checked).
+
+    Both runs take the same gradients and perform the same float32 operations; they
+    differ in the order of the sums over coordinates (a sum per rank, then the ranks'
+    all-reduce). Each operation's result errs from the exact one by at most its
+    rounding bound ``b`` (Higham: a sum or dot product of ``n`` terms in any order by
+    ``gamma_n sum |terms|``, a chain of ``k`` roundings by ``gamma_k |result|``):
+    ``A = e + g``, ``Y = A Q``, each Gram-Schmidt norm, scale, column and projection,
+    ``Q = A^T P``, ``e = A - P Q^T``, the Frobenius products' ``P_j^T P``, ``Q_j^T Q`` and
+    their sums, the float32 weights and ``sum_j w_j P_j Q_j^T``, ``theta - lr u``. The
+    computation is replayed in float64 (as exact) with a zero perturbation added after
+    each of these; to first order each run's parameters after step ``k`` are off by
+    ``J delta`` with ``|delta| <= b``, so the runs differ by at most ``|J| (2 b)``,
+    ``J`` the Jacobian of the parameters with respect to every perturbation so far
+    (through the error feedback, the warm start and the window, all steps). We double
+    it for the second-order terms. The Gram-Schmidt's keep decisions are taken as in
+    the float64 replay (none is near its threshold here). The float64 solve's own
+    rounding is left out, as in :func:`_window_bound`.
+    """
+    from tritonopt.kernels.lowrank import DEPENDENT_TOLERANCE, GRAM_SCHMIDT_EPS
+    from tritonopt.optim._window_algebra import fold_new_row, mfac_weights
+
+    f64 = torch.float64
+    deltas, bounds = [], []
+
+    def rounded(x, bound):
+        delta = torch.zeros_like(x, requires_grad=True)
+        deltas.append(delta)
+        bounds.append(bound.detach())
+        return x + delta
+
+    def gamma(n):
+        return _gamma(n)
+
+    gen = torch.Generator().manual_seed(0)  # the optimizer's seed: the same warm starts
+    shapes = [(f.shape[0], f[0].numel()) for f in fulls]
+    warms = [torch.randn((c, rank), generator=gen, dtype=torch.float32).double() if f.dim() >= 2 else None
+             for f, (_, c) in zip(fulls, shapes)]
+    thetas = [f.double().reshape(n, c) for f, (n, c) in zip(fulls, shapes)]
+    errors = [torch.zeros(n, c, dtype=f64) for n, c in shapes]
+    ring = [[] for _ in fulls]  # per tensor, the stored (P, Q) of each written row
+    dots = torch.zeros(ngrads, ngrads, dtype=f64)
+    out = {}
+    for step, grads in enumerate(steps_grads):
+        slot = step % ngrads
+        new = []
+        for index, (g, (n, c)) in enumerate(zip(grads, shapes)):
+            g = g.double().reshape(n, c)
+            if warms[index] is None:  # 1-D: stored exactly, no error feedback
+                new.append((torch.cat([g, torch.zeros(n, rank - 1, dtype=f64)], 1),
+                            torch.eye(1, rank, dtype=f64)))
+                continue
+            a = errors[index] + g
+            a = rounded(a, U32 * a.abs())
+            warm = warms[index]
+            y = rounded(a @ warm, gamma(c) * (a.abs() @ warm.abs()))
+            original = y.detach().norm(dim=0)
+            columns, alive = [y[:, i] for i in range(rank)], []
+            for i in range(rank):
+                norm = columns[i].norm()
+                norm = rounded(norm, gamma(n + 2) * norm.abs())
+                alive.append(bool(norm > DEPENDENT_TOLERANCE * original[i]))
+                scale = 1.0 / (norm + GRAM_SCHMIDT_EPS) if alive[-1] else torch.zeros((), dtype=f64)
+                scale = rounded(scale, gamma(2) * scale.abs())
+                columns[i] = rounded(columns[i] * scale, U32 * (columns[i] * scale).abs())
+                for j in range(i + 1, rank):
+                    dot = rounded(columns[i] @ columns[j], gamma(n) * (columns[i].abs() @ columns[j].abs()))
+                    bound_j = gamma(2) * (columns[j].abs() + columns[i].abs() * dot.abs())
+                    columns[j] = rounded(columns[j] - columns[i] * dot, bound_j)
+            p = torch.stack(columns, dim=1)
+            q = rounded(a.T @ p, gamma(n) * (a.abs().T @ p.abs()))
+            residual = a - p @ q.T
+            errors[index] = rounded(residual, gamma(rank + 1) * (a.abs() + p.abs() @ q.abs().T))
+            kept = torch.tensor(alive)
+            warms[index] = torch.where(kept, q, warm)
+            new.append((p, warms[index]))
+        for index, pair in enumerate(new):
+            if len(ring[index]) < ngrads:
+                ring[index].append(pair)
+            else:
+                ring[index][slot] = pair
+        products = []
+        for j in range(len(ring[0])):
+            total = torch.zeros((), dtype=f64)
+            for index, (p, q) in enumerate(new):
+                p_j, q_j = ring[index][j]
+                n, c = shapes[index]
+                left = rounded(p_j.T @ p, gamma(n) * (p_j.abs().T @ p.abs()))
+                right = rounded(q_j.T @ q, gamma(q.shape[0]) * (q_j.abs().T @ q.abs()))
+                terms = left * right
+                total = total + rounded(terms.sum(), gamma(rank * rank + 1) * terms.abs().sum())
+            products.append(total)
+        s = torch.stack(products + [torch.zeros((), dtype=f64)] * (ngrads - len(products)))
+        dots = dots.clone()
+        dots[slot, :] = s
+        dots[:, slot] = s
+        weights = fold_new_row(mfac_weights(dots, s, damp), slot, damp)
+        weights = rounded(weights, U32 * weights.abs())
+        for index, (n, c) in enumerate(shapes):
+            pairs = ring[index]
+            u = sum(weights[j] * (p_j @ q_j.T) for j, (p_j, q_j) in enumerate(pairs))[:, :c]
+            magnitude = sum(weights[j].abs() * (p_j.abs() @ q_j.abs().T) for j, (p_j, q_j) in enumerate(pairs))
+            u = rounded(u, gamma(len(pairs) * rank + 1) * magnitude[:, :c])
+            theta = thetas[index] - lr * u
+            thetas[index] = rounded(theta, gamma(2) * (thetas[index].abs() + lr * u.abs()))
+        if step not in checked:
+            continue
+        flat = torch.cat([t.reshape(-1) for t in thetas])
+        eye = torch.eye(flat.numel(), dtype=f64)
+        jacobians = torch.autograd.grad(flat, deltas, grad_outputs=eye, is_grads_batched=True, retain_graph=True,
+                                        allow_unused=True)
+        first_order = sum((jac.abs() * (2 * b)).reshape(flat.numel(), -1).sum(dim=1)
+                          for jac, b in zip(jacobians, bounds) if jac is not None)
+        out[step] = 2 * first_order
+    return out
+
+
 # ---------------------------------------------------------------------- the ranks' side
 
 
@@ -127,8 +247,11 @@ CASES = {
     "SparseGGT": ("SparseGGT", dict(lr=0.01, ngrads=NGRADS, eps=0.1, density=1.0, block_size=16), ("ggt", "eps")),
     "FlatSGD": ("FlatSGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True), None),
 }
+# LowRankMFAC at a step size where the runs' rounding shows in the parameters (at lr = 0.01 it drowns in theta's).
+LOWRANK = ("LowRankMFAC", dict(lr=0.5, ngrads=NGRADS, damp=0.1, rank=2), ("lowrank", "damp"))
 # What the checkpoint cases add to CASES' settings: a selection below density 1, momentum.
 CHECKPOINT_SETTINGS = {
+    "LowRankMFAC": dict(momentum=0.5),
     "SparseMFAC": dict(density=0.3, block_size=8, momentum=0.5),
     "SparseAdaGrad": dict(density=0.5, block_size=8),
     "FlatSGD": dict(),  # CASES' momentum already puts a momentum buffer in the checkpoint
@@ -138,7 +261,7 @@ CHECKPOINT_SETTINGS = {
 def _optimizer(name: str, params, **overrides):
     import tritonopt
 
-    cls_name, kwargs, _ = CASES[name]
+    cls_name, kwargs, _ = LOWRANK if name == "LowRankMFAC" else CASES[name]
     return getattr(tritonopt.optim, cls_name)(params, **{**kwargs, **overrides})
 
 
@@ -213,13 +336,41 @@ def _explicit_dtensors(rank, mesh, name):
             "window_shape": tuple(opt.state[params[0]]["ring_grads"].shape) if name in ("MFAC", "GGT") else None}
 
 
+def _lowrank_explicit(rank, mesh):
+    """LowRankMFAC on Shard(0) matrices (13 rows: 7 and 6; 3 rows: 2 and 1) and a Replicate() vector, beside the
+    plain run with the same gradients: both runs' parameters after every step, and the bytes all-reduced."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(1)
+    fulls = [torch.randn(13, 5), torch.randn(3, 13), torch.randn(7)]
+    placements = [[Shard(0)], [Shard(0)], [Replicate()]]
+    params = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, pl)) for f, pl in zip(fulls, placements)]
+    plain = [torch.nn.Parameter(f.clone()) for f in fulls]
+    opt, ref_opt = _optimizer("LowRankMFAC", params), _optimizer("LowRankMFAC", plain)
+    sharded, reference, steps_grads = [], [], []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(f.shape, generator=gen) for f in fulls]
+        steps_grads.append(grads)
+        for p, q, g, pl in zip(params, plain, grads, placements):
+            p.grad = distribute_tensor(g.clone(), mesh, pl)
+            q.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+        sharded.append(torch.cat([p.full_tensor().detach().reshape(-1) for p in params]))
+        reference.append(torch.cat([q.detach().reshape(-1) for q in plain]))
+    return {"fulls": fulls, "grads": steps_grads, "sharded": sharded, "reference": reference,
+            "bytes": opt.shard_group.bytes_all_reduced, "calls": opt.shard_group.all_reduce_calls,
+            "local_rows": [tuple(opt.state[p]["ring_p"].shape) for p in params],
+            "state_bytes": opt.state_bytes(), "expected_state_bytes": opt.expected_state_bytes()}
+
+
 def _refusals(rank, mesh):
     import tritonopt
 
     model = _sharded_model(mesh)
     attempts = {
         "FOSI": lambda: tritonopt.optim.FOSI(model.parameters(), lr=0.1),
-        "LowRankMFAC": lambda: tritonopt.optim.LowRankMFAC(model.parameters(), lr=0.1),
         "KFACPreconditioner": lambda: tritonopt.optim.KFACPreconditioner(model),
         "track_error_norm": lambda: tritonopt.optim.SparseMFAC(model.parameters(), track_error_norm=True),
         "mixed": lambda: tritonopt.optim.MFAC([*model.parameters(), torch.nn.Parameter(torch.zeros(3))]),
@@ -380,6 +531,7 @@ def _scenario(rank, world, directory):
     for name in CASES:
         out["fsdp"][name] = _compare_fsdp(rank, mesh, name)
         out["explicit"][name] = _explicit_dtensors(rank, mesh, name)
+    out["lowrank"] = _lowrank_explicit(rank, mesh)
     out["refusals"] = _refusals(rank, mesh)
     out["skip"] = _skip_together(rank, mesh)
     out["flat_sgd"] = _flat_sgd_together(rank, mesh)
@@ -445,12 +597,43 @@ def test_each_rank_keeps_its_share_of_the_window(ranks, name):
         assert seen["state_bytes"] == replicated + 4 * NGRADS * span + 2 * 4 * span
 
 
+def test_lowrank_mfac_on_shard_and_replicate_placements_equals_unsharded(ranks):
+    seen = ranks[0]["lowrank"]
+    _, kwargs, _ = LOWRANK
+    # The first step (the window's first row) and the last (every difference carried through the error
+    # feedback, the warm starts and a full window).
+    bounds = _lowrank_bound(seen["fulls"], seen["grads"], kwargs["lr"], kwargs["rank"], kwargs["ngrads"],
+                            kwargs["damp"], checked={0, STEPS - 1})
+    for result in ranks:
+        sharded, reference = result["lowrank"]["sharded"], result["lowrank"]["reference"]
+        gaps = [float(((sharded[k].double() - reference[k].double()).abs() / bound).max())
+                for k, bound in bounds.items()]
+        assert max(gaps) <= 1.0, gaps
+    # The runs do differ (the sums' order): the bound is what holds, not equality.
+    assert any(not torch.equal(a, b) for a, b in zip(seen["sharded"], seen["reference"]))
+
+
+def test_lowrank_mfac_all_reduces_the_stated_bytes_per_step(ranks):
+    # Per step, T = 2 row-sharded matrices (13 x 5 and 3 x 13) at rank r = 2: Gram-Schmidt's
+    # 4 T (r + r (r - 1) / 2 + r - 1) bytes in 2 r - 1 calls, Q = E^T P's 4 r sum_l p_l in one,
+    # the window's m float64 products and the shared float32 gradient check (the replicated
+    # vector adds nothing).
+    r, tensors, columns = 2, 2, 5 + 13
+    per_step = 4 * tensors * (r + r * (r - 1) // 2 + r - 1) + 4 * r * columns + 8 * NGRADS + 4
+    for result in ranks:
+        seen = result["lowrank"]
+        assert seen["bytes"] == STEPS * per_step and seen["calls"] == STEPS * (2 * r + 2)
+        assert seen["state_bytes"] == seen["expected_state_bytes"]
+    # Each rank holds its rows of ring_p; the replicated vector's whole.
+    assert ranks[0]["lowrank"]["local_rows"] == [(NGRADS, 7, 2), (NGRADS, 2, 2), (NGRADS, 7, 2)]
+    assert ranks[1]["lowrank"]["local_rows"] == [(NGRADS, 6, 2), (NGRADS, 1, 2), (NGRADS, 7, 2)]
+
+
 def test_unsupported_optimizers_refuse_dtensors(ranks):
     for result in ranks:
         refusals = result["refusals"]
-        for name in ("FOSI", "LowRankMFAC", "KFACPreconditioner"):
+        for name in ("FOSI", "KFACPreconditioner"):
             assert refusals[name] is not None and "does not support DTensor" in refusals[name], refusals[name]
-        assert "LowRankMFAC" in refusals["LowRankMFAC"] and "power iteration" in refusals["LowRankMFAC"]
         assert "track_error_norm" in refusals["track_error_norm"]
         assert "mixed with plain tensors" in refusals["mixed"]
 

@@ -215,7 +215,7 @@ class PackedOptimizer(Optimizer):
     SHARDING_REFUSAL: Optional[str] = (
         "its state and update are computed over the whole parameter vector, and on shards each rank would "
         "compute them from its own shard only; the optimizers that step sharded parameters are SparseAdaGrad, "
-        "MFAC, SparseMFAC, GGT, SparseGGT and FlatSGD"
+        "MFAC, SparseMFAC, GGT, SparseGGT, LowRankMFAC and FlatSGD"
     )
     # State entries shaped like the parameter's local part, and per-rank window entries (the same shape
     # on every rank): a sharded state_dict shows them as DTensors laid out like the parameter, or stacked

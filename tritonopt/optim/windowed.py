@@ -63,9 +63,10 @@ local. The gradient-norm check takes one all-reduce of one float per window
 (``max_update_norm`` one more), so ranks skip a step together. Per rank the
 window is ``1 / world`` of the unsharded one (up to the uneven rows), and
 ``dots`` is replicated. At ``density = 1`` the result equals the unsharded
-optimizer's up to the order of the float32 sums. The low-rank window (its
-power iteration needs each whole tensor) and ``track_error_norm`` are refused
-on DTensors.
+optimizer's up to the order of the float32 sums. The low-rank window keeps a
+``Shard(0)`` tensor's rows of its factors instead and all-reduces its power
+iteration's sums over rows (see ``LowRankWindow``); ``track_error_norm`` is
+refused on DTensors.
 """
 
 from __future__ import annotations
