@@ -66,6 +66,9 @@ from tritonopt._ops.lanczos import (
     gram_schmidt_subtract,
 )
 from tritonopt._ops.lowrank import lowrank_ef, lowrank_frobenius_products
+# The thresholds of lowrank_ef's Gram-Schmidt (a column kept above DEPENDENT_TOLERANCE of its norm, divided by
+# its norm plus GRAM_SCHMIDT_EPS), for code that runs the same orthogonalisation over shards.
+from tritonopt._ops.lowrank import DEPENDENT_TOLERANCE, GRAM_SCHMIDT_EPS  # noqa: E402
 from tritonopt._ops.sgd_momentum import sgd_momentum_step
 from tritonopt._ops.sparse_ring import densify_ring, sparse_lcg, sparse_ring_insert, sparse_sp
 from tritonopt._ops.ssd_sgd import ssd_sgd_step

@@ -10,6 +10,8 @@ import torch
 from tritonopt._ops._registry import define_op
 from tritonopt._validation import FLOAT_DTYPES, check_disjoint, check_same_device, check_tensor
 from tritonopt.kernels import lowrank as _kernels
+# Its Gram-Schmidt thresholds, for the optimizers that run the same orthogonalisation over shards.
+from tritonopt.kernels.lowrank import DEPENDENT_TOLERANCE, GRAM_SCHMIDT_EPS  # noqa: F401
 
 __all__ = ["lowrank_ef", "lowrank_frobenius_products"]
 

@@ -44,8 +44,7 @@ import torch
 
 from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_bool, check_int
-from tritonopt.kernels.lowrank import DEPENDENT_TOLERANCE, GRAM_SCHMIDT_EPS
-from tritonopt.ops import sparse_ring_insert
+from tritonopt.ops import DEPENDENT_TOLERANCE, GRAM_SCHMIDT_EPS, sparse_ring_insert
 from tritonopt.optim._blocks import BlockLayout, kept_per_block
 from tritonopt.optim._packed import PackedGroup
 from tritonopt.optim._sharding import is_sharded
