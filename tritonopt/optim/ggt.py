@@ -41,8 +41,6 @@ class GGT(_GGTWeights):
         lr: learning rate (the published run uses 1.0 with a cosine schedule).
         ngrads: window size.
         eps: added to the square root of the eigenvalues (``1e-5`` published).
-
-    Keyword Args:
         momentum, weight_decay, max_update_norm, per_group_windows, track_error_norm,
             on_nonfinite: as :class:`tritonopt.optim.mfac.MFAC`.
     """
@@ -62,11 +60,8 @@ class SparseGGT(_GGTWeights):
     with ``z`` as in :class:`GGT`. At ``density=1`` it is :class:`GGT`.
 
     Args:
-        lr, ngrads, eps: as :class:`GGT`.
-
-    Keyword Args:
-        momentum, weight_decay, max_update_norm, per_group_windows, track_error_norm,
-            on_nonfinite: as :class:`GGT`.
+        lr, ngrads, eps, momentum, weight_decay, max_update_norm, per_group_windows,
+            track_error_norm, on_nonfinite: as :class:`GGT`.
         density, block_size, error_feedback, values_dtype, error_dtype: as
             :class:`tritonopt.optim.mfac.SparseMFAC`.
     """

@@ -46,8 +46,6 @@ class MFAC(_MFACWeights):
         lr: learning rate. Large ``damp`` makes the step SGD with rate ``lr / damp``.
         ngrads: window size ``m``.
         damp: dampening ``lambda > 0``. If training diverges, increase it.
-
-    Keyword Args:
         momentum: ``v = momentum * v + u`` (no dampening), in ``[0, 1)``; default 0.
         weight_decay: decoupled, ``theta *= 1 - lr * weight_decay``; default 0.
         max_update_norm: clip the preconditioned update ``u`` to this norm
@@ -92,11 +90,8 @@ class SparseMFAC(_MFACWeights):
     against dense M-FAC's ``4 m d``.
 
     Args:
-        lr, ngrads, damp: as :class:`MFAC`.
-
-    Keyword Args:
-        momentum, weight_decay, max_update_norm, per_group_windows, track_error_norm,
-            on_nonfinite: as :class:`MFAC`.
+        lr, ngrads, damp, momentum, weight_decay, max_update_norm, per_group_windows,
+        track_error_norm, on_nonfinite: as :class:`MFAC`.
         density: fraction of each block kept, in ``(0, 1]``; default 0.01.
         block_size: Top-k block length (a group smaller than one block is one block);
             default 16384.
