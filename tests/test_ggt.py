@@ -122,25 +122,3 @@ def test_a_checkpoint_saved_for_other_parameter_shapes_is_refused(saved_shapes, 
     set_grads(params, gradient_stream(loaded_shapes, 1, seed=3)[0])
     opt.step()
     assert int(opt.state[params[0]]["step"]) == 2
-
-
-@pytest.mark.parametrize("cls", [GGT, SparseGGT, tritonopt.optim.MFAC, tritonopt.optim.SparseMFAC])
-def test_the_window_options_take_their_defaults_and_refuse_unknown_names(cls):
-    from tritonopt.optim.windowed import SPARSE_WINDOW_OPTION_DEFAULTS, WINDOW_OPTION_DEFAULTS
-
-    params = [torch.nn.Parameter(torch.zeros(8))]
-    opt = cls(params, lr=0.1, ngrads=2)
-    group = opt.param_groups[0]
-    assert (opt.per_group_windows, opt.track_error_norm) == (False, False)
-    sparse = cls in (SparseGGT, tritonopt.optim.SparseMFAC)
-    for name, default in (SPARSE_WINDOW_OPTION_DEFAULTS if sparse else WINDOW_OPTION_DEFAULTS).items():
-        if name not in ("per_group_windows", "track_error_norm", "on_nonfinite"):
-            assert group[name] == default, name
-    assert (group["momentum"], group["weight_decay"], group["max_update_norm"]) == (0.0, 0.0, None)
-    with pytest.raises(TypeError, match="momentun"):
-        cls(params, lr=0.1, momentun=0.9)
-    if not sparse:  # the sparse ring buffer's options belong to the sparse classes alone
-        with pytest.raises(TypeError, match="density"):
-            cls(params, lr=0.1, density=0.5)
-    with pytest.raises(ValueError, match="on_nonfinite"):
-        cls(params, lr=0.1, on_nonfinite="ignore")

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
+
+import torch
 
 from tritonopt.optim._window_algebra import ggt_weights
 from tritonopt.optim._windows import DenseWindow, SparseWindow
-from tritonopt.optim.windowed import SPARSE_WINDOW_OPTION_DEFAULTS, WindowedPreconditioner
+from tritonopt.optim.windowed import WindowedPreconditioner
 
 __all__ = ["GGT", "SparseGGT"]
 
 
-class _GGTWeights(WindowedPreconditioner):
-    """GGT's weights and own hyperparameters (``ngrads``, ``eps``), on the window a subclass chooses."""
-
-    WEIGHTS = staticmethod(ggt_weights)
-    SCALE = "eps"
-
-    def __init__(self, params: Iterable, lr: float = 1e-3, *, ngrads: int = 100, eps: float = 1e-5, **options):
-        self._init_with_options(params, dict(lr=lr, ngrads=ngrads, eps=eps), options)
-
-
-class GGT(_GGTWeights):
+class GGT(WindowedPreconditioner):
     r"""GGT: ``((G^T G)^{1/2} + eps I)^{-1}`` applied to the gradient, ``G`` the last ``ngrads`` gradients.
 
     Agarwal et al. (2019), as used in EFCP App. H with ``beta1 = 0`` and
@@ -47,9 +39,30 @@ class GGT(_GGTWeights):
 
     ALGO = "ggt"
     WINDOW = DenseWindow
+    WEIGHTS = staticmethod(ggt_weights)
+    SCALE = "eps"
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        *,
+        ngrads: int = 100,
+        eps: float = 1e-5,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        max_update_norm: Optional[float] = None,
+        per_group_windows: bool = False,
+        track_error_norm: bool = False,
+        on_nonfinite: str = "skip",
+    ):
+        defaults = dict(lr=lr, ngrads=ngrads, eps=eps, momentum=momentum, weight_decay=weight_decay)
+        defaults["max_update_norm"] = max_update_norm
+        super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,
+                         track_error_norm=track_error_norm)
 
 
-class SparseGGT(_GGTWeights):
+class SparseGGT(WindowedPreconditioner):
     r"""Sparse GGT (S-GGT): error feedback + blockwise Top-k + GGT on a sparse ring buffer.
 
     EFCP Algorithm 4 with blockwise Top-k: ``a = e + g``, ``c = TopK_per_block(a)``,
@@ -68,4 +81,33 @@ class SparseGGT(_GGTWeights):
 
     ALGO = "sparse_ggt"
     WINDOW = SparseWindow
-    OPTION_DEFAULTS = SPARSE_WINDOW_OPTION_DEFAULTS
+    WEIGHTS = staticmethod(ggt_weights)
+    SCALE = "eps"
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        *,
+        density: float = 0.01,
+        ngrads: int = 100,
+        eps: float = 1e-5,
+        block_size: int = 16384,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        error_feedback: bool = True,
+        values_dtype: torch.dtype = torch.float32,
+        error_dtype: torch.dtype = torch.float32,
+        max_update_norm: Optional[float] = None,
+        per_group_windows: bool = False,
+        track_error_norm: bool = False,
+        on_nonfinite: str = "skip",
+    ):
+        defaults = dict(
+            lr=lr, density=density, ngrads=ngrads, eps=eps, block_size=block_size,
+            momentum=momentum, weight_decay=weight_decay, error_feedback=error_feedback,
+            values_dtype=values_dtype, error_dtype=error_dtype,
+        )
+        defaults["max_update_norm"] = max_update_norm
+        super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,
+                         track_error_norm=track_error_norm)

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
+
+import torch
 
 from tritonopt.optim._window_algebra import mfac_weights
 from tritonopt.optim._windows import DenseWindow, SparseWindow
-from tritonopt.optim.windowed import SPARSE_WINDOW_OPTION_DEFAULTS, WindowedPreconditioner
+from tritonopt.optim.windowed import WindowedPreconditioner
 
 __all__ = ["MFAC", "SparseMFAC"]
 
 
-class _MFACWeights(WindowedPreconditioner):
-    """M-FAC's weights and own hyperparameters (``ngrads``, ``damp``), on the window a subclass chooses."""
-
-    WEIGHTS = staticmethod(mfac_weights)
-    SCALE = "damp"
-
-    def __init__(self, params: Iterable, lr: float = 1e-3, *, ngrads: int = 1024, damp: float = 1e-5, **options):
-        self._init_with_options(params, dict(lr=lr, ngrads=ngrads, damp=damp), options)
-
-
-class MFAC(_MFACWeights):
+class MFAC(WindowedPreconditioner):
     r"""Dense M-FAC: the inverse empirical Fisher of the last ``ngrads`` gradients, applied to the gradient.
 
     With the window ``G`` (``[m, d]``, ``m = ngrads``, rows not yet written are
@@ -46,25 +38,46 @@ class MFAC(_MFACWeights):
         lr: learning rate. Large ``damp`` makes the step SGD with rate ``lr / damp``.
         ngrads: window size ``m``.
         damp: dampening ``lambda > 0``. If training diverges, increase it.
-        momentum: ``v = momentum * v + u`` (no dampening), in ``[0, 1)``; default 0.
-        weight_decay: decoupled, ``theta *= 1 - lr * weight_decay``; default 0.
+        momentum: ``v = momentum * v + u`` (no dampening), in ``[0, 1)``.
+        weight_decay: decoupled, ``theta *= 1 - lr * weight_decay``.
         max_update_norm: clip the preconditioned update ``u`` to this norm
             (the EFCP ASDL runs clip at 10); ``None`` (default) does not clip.
             Shared by all groups of one window.
         per_group_windows: one window per parameter group instead of one over
-            all parameters (see :mod:`tritonopt.optim.windowed`); default False.
+            all parameters (see :mod:`tritonopt.optim.windowed`).
         track_error_norm: keep ``||e|| / ||g||`` of each step for
-            :meth:`error_norm_ratios` (two extra reductions per step); default False.
-        on_nonfinite: ``"skip"`` (default: warn, change nothing, count in
+            :meth:`error_norm_ratios` (two extra reductions per step).
+        on_nonfinite: ``"skip"`` (warn, change nothing, count in
             :attr:`skipped_steps`) or ``"raise"`` (``FloatingPointError``) when a
             gradient holds NaN or inf.
     """
 
     ALGO = "mfac"
     WINDOW = DenseWindow
+    WEIGHTS = staticmethod(mfac_weights)
+    SCALE = "damp"
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        *,
+        ngrads: int = 1024,
+        damp: float = 1e-5,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        max_update_norm: Optional[float] = None,
+        per_group_windows: bool = False,
+        track_error_norm: bool = False,
+        on_nonfinite: str = "skip",
+    ):
+        defaults = dict(lr=lr, ngrads=ngrads, damp=damp, momentum=momentum, weight_decay=weight_decay)
+        defaults["max_update_norm"] = max_update_norm
+        super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,
+                         track_error_norm=track_error_norm)
 
 
-class SparseMFAC(_MFACWeights):
+class SparseMFAC(WindowedPreconditioner):
     r"""Sparse M-FAC (S-MFAC): error feedback + blockwise Top-k + M-FAC on a sparse ring buffer.
 
     EFCP Algorithm 1 with the M-FAC preconditioner (sec. 3.1). Each group is one
@@ -92,16 +105,44 @@ class SparseMFAC(_MFACWeights):
     Args:
         lr, ngrads, damp, momentum, weight_decay, max_update_norm, per_group_windows,
         track_error_norm, on_nonfinite: as :class:`MFAC`.
-        density: fraction of each block kept, in ``(0, 1]``; default 0.01.
-        block_size: Top-k block length (a group smaller than one block is one block);
-            default 16384.
+        density: fraction of each block kept, in ``(0, 1]``.
+        block_size: Top-k block length (a group smaller than one block is one block).
         error_feedback: keep the compression error and feed it back (default True).
-        values_dtype: ``torch.float32`` (default) or ``torch.bfloat16`` for the stored values
+        values_dtype: ``torch.float32`` or ``torch.bfloat16`` for the stored values
             (with bfloat16, ``c`` is the rounded row and the rounding error joins ``e``).
-        error_dtype: ``torch.float32`` (default) or ``torch.bfloat16`` for the stored error
+        error_dtype: ``torch.float32`` or ``torch.bfloat16`` for the stored error
             (bfloat16 halves its memory; each step's residual is rounded once).
     """
 
     ALGO = "sparse_mfac"
     WINDOW = SparseWindow
-    OPTION_DEFAULTS = SPARSE_WINDOW_OPTION_DEFAULTS
+    WEIGHTS = staticmethod(mfac_weights)
+    SCALE = "damp"
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        *,
+        density: float = 0.01,
+        ngrads: int = 1024,
+        damp: float = 1e-5,
+        block_size: int = 16384,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        error_feedback: bool = True,
+        values_dtype: torch.dtype = torch.float32,
+        error_dtype: torch.dtype = torch.float32,
+        max_update_norm: Optional[float] = None,
+        per_group_windows: bool = False,
+        track_error_norm: bool = False,
+        on_nonfinite: str = "skip",
+    ):
+        defaults = dict(
+            lr=lr, density=density, ngrads=ngrads, damp=damp, block_size=block_size,
+            momentum=momentum, weight_decay=weight_decay, error_feedback=error_feedback,
+            values_dtype=values_dtype, error_dtype=error_dtype,
+        )
+        defaults["max_update_norm"] = max_update_norm
+        super().__init__(params, defaults, on_nonfinite, per_group_windows=per_group_windows,
+                         track_error_norm=track_error_norm)

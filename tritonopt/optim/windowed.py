@@ -96,25 +96,6 @@ MAX_GRADIENT_NORM = 1e17
 # What one window of a model shares across its groups (the rest is per group).
 WINDOW_KEYS = ("ngrads", "damp", "eps", "density", "block_size", "error_feedback", "values_dtype", "error_dtype",
                "rank", "max_update_norm")
-# The keyword options that MFAC, GGT and their sparse versions all take, with their defaults;
-# each class's own hyperparameters (ngrads, damp or eps) are in its signature.
-WINDOW_OPTION_DEFAULTS = {
-    "momentum": 0.0,
-    "weight_decay": 0.0,
-    "max_update_norm": None,
-    "per_group_windows": False,
-    "track_error_norm": False,
-    "on_nonfinite": "skip",
-}
-# What the sparse ring buffer adds to them (SparseMFAC, SparseGGT).
-SPARSE_WINDOW_OPTION_DEFAULTS = {
-    "density": 0.01,
-    "block_size": 16384,
-    "error_feedback": True,
-    "values_dtype": torch.float32,
-    "error_dtype": torch.float32,
-    **WINDOW_OPTION_DEFAULTS,
-}
 
 
 class WindowedPreconditioner(PackedOptimizer):
@@ -124,15 +105,13 @@ class WindowedPreconditioner(PackedOptimizer):
     a window class of :mod:`tritonopt.optim._windows`, ``WEIGHTS`` the weight
     function of :mod:`tritonopt.optim._window_algebra` (a ``staticmethod``) and
     ``SCALE`` the name of the hyperparameter that divides ``x`` (``"damp"`` or
-    ``"eps"``). ``OPTION_DEFAULTS`` holds the keyword options a subclass built
-    with :meth:`_init_with_options` takes, with their defaults.
+    ``"eps"``).
     """
 
     ALGO: str
     WINDOW: type
     WEIGHTS: Callable
     SCALE: str
-    OPTION_DEFAULTS = WINDOW_OPTION_DEFAULTS
     # Blockwise compressors see a zero accumulator where a parameter has no gradient.
     FREEZE_BY_ZERO_ACCUMULATOR = True
     SHARDING_REFUSAL = None
@@ -147,20 +126,6 @@ class WindowedPreconditioner(PackedOptimizer):
         self.track_error_norm = track_error_norm
         super().__init__(params, {"max_update_norm": None, **defaults}, on_nonfinite)
         self._check_fits()
-
-    def _init_with_options(self, params: Iterable, defaults: dict, options: dict) -> None:
-        """Construct from the class's own hyperparameters ``defaults`` and the keyword ``options``
-        it shares with its siblings (``OPTION_DEFAULTS``: the names it takes and their defaults)."""
-        unknown = sorted(set(options) - set(self.OPTION_DEFAULTS))
-        if unknown:
-            raise TypeError(f"{type(self).__name__}() got unexpected keyword argument(s) {unknown}; "
-                            f"besides its own it takes {list(self.OPTION_DEFAULTS)}")
-        settings = {**self.OPTION_DEFAULTS, **options}
-        per_group_windows = settings.pop("per_group_windows")
-        track_error_norm = settings.pop("track_error_norm")
-        on_nonfinite = settings.pop("on_nonfinite")
-        WindowedPreconditioner.__init__(self, params, {**defaults, **settings}, on_nonfinite,
-                                        per_group_windows=per_group_windows, track_error_norm=track_error_norm)
 
     def _check_sharding(self):
         shards = super()._check_sharding()
