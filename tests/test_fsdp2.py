@@ -256,6 +256,8 @@ CHECKPOINT_SETTINGS = {
     "SparseAdaGrad": dict(density=0.5, block_size=8),
     "FlatSGD": dict(),  # CASES' momentum already puts a momentum buffer in the checkpoint
 }
+# The optimizers whose state is per coordinate and laid out like the parameter: a checkpoint of them reshards.
+RESHARDABLE = ("FlatSGD", "SparseAdaGrad")
 
 
 def _optimizer(name: str, params, **overrides):
@@ -462,12 +464,28 @@ def _flat_sgd_together(rank, mesh):
     return out
 
 
-def _run(model, opt, rank, steps):
+def _run(model, opt, rank, steps, gradients=None):
+    """``steps`` of training; the parameters after them, whole. ``gradients``: a list that gets each step's
+    gradients, whole (what the ranks' shards make together)."""
     for step in steps:
         opt.zero_grad(set_to_none=True)
         _backward(model, rank, step)
+        if gradients is not None:
+            gradients.append([p.grad.full_tensor() for p in model.parameters()])
         opt.step()
+    return _whole(model)
+
+
+def _whole(model):
     return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+
+
+def _whole_state(opt) -> dict:
+    """``opt.state_dict()``'s per-parameter state with every DTensor gathered whole (a collective); copies, which
+    later steps leave as they are."""
+    return {key: {name: value.full_tensor() if hasattr(value, "full_tensor") else copy.deepcopy(value)
+                  for name, value in entry.items()}
+            for key, entry in opt.state_dict()["state"].items()}
 
 
 def _checkpoints(rank, mesh, directory):
@@ -481,7 +499,7 @@ def _checkpoints(rank, mesh, directory):
 
     import tritonopt
 
-    results = {}
+    results, saved_on_two = {}, {}
     for name, kwargs in CHECKPOINT_SETTINGS.items():
         model = _sharded_model(mesh)
         opt = _optimizer(name, model.parameters(), **kwargs)
@@ -491,7 +509,12 @@ def _checkpoints(rank, mesh, directory):
                  checkpoint_id=path)
         buffer = io.BytesIO()
         torch.save({"model": [p.detach().clone() for p in model.parameters()], "optim": opt.state_dict()}, buffer)
-        uninterrupted = _run(model, opt, rank, range(3, STEPS))
+        saved_on_two[name] = {"params": _whole(model), "per_rank": opt.state_dict(),
+                              "gradients": []}
+        if name in RESHARDABLE:
+            saved_on_two[name]["state"] = _whole_state(opt)
+        uninterrupted = _run(model, opt, rank, range(3, STEPS), saved_on_two[name]["gradients"])
+        saved_on_two[name]["uninterrupted"] = uninterrupted
 
         model2 = _sharded_model(mesh)
         opt2 = _optimizer(name, model2.parameters(), **kwargs)
@@ -519,6 +542,83 @@ def _checkpoints(rank, mesh, directory):
             refused = str(error)
         results[name] = {"dcp": torch.equal(via_dcp, uninterrupted),
                          "state_dict": torch.equal(via_state_dict, uninterrupted), "unsharded_refused": refused}
+    results["one_rank"] = _resume_on_one_rank(rank, directory, saved_on_two)
+    return results
+
+
+def _load_dcp(model, opt, path, group):
+    """The checkpoint at ``path`` into ``model`` and ``opt`` through torch.distributed.checkpoint over ``group``;
+    None, or the refusal as text."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        template = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(template, checkpoint_id=path, process_group=group)
+        set_model_state_dict(model, template["model"])
+        set_optimizer_state_dict(model, opt, template["optim"])
+    except (ValueError, CheckpointException) as error:  # DCP's own refusals come wrapped (a BaseException)
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _resume_on_one_rank(rank, directory, saved_on_two):
+    """Each 2-rank checkpoint loaded on 1 rank (a 1-rank mesh over rank 0); where it loads, the state against the
+    2 ranks' at saving, gathered, and 2 more steps with the 2-rank run's gradients against that run and against
+    plain tensors stepped from the gathered state."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    group = dist.new_group([0])  # every rank takes part in making it; rank 1 then has nothing to do
+    if rank != 0:
+        return None
+    mesh = DeviceMesh.from_group(group, "cpu")
+    results = {}
+    for name, kwargs in CHECKPOINT_SETTINGS.items():
+        saved, path = saved_on_two[name], f"{directory}/{name}"
+        model = _sharded_model(mesh)
+        opt = _optimizer(name, model.parameters(), **kwargs)
+        seen = {"dcp_refused": _load_dcp(model, opt, path, group)}
+        try:
+            _optimizer(name, _sharded_model(mesh).parameters(), **kwargs).load_state_dict(saved["per_rank"])
+            seen["per_rank_refused"] = None
+        except ValueError as error:
+            seen["per_rank_refused"] = str(error)
+        if seen["dcp_refused"] is None:
+            params = list(model.parameters())
+            seen["params_equal"] = torch.equal(_whole(model), saved["params"])
+            seen["state_equal"] = all(
+                set(opt.state[params[key]]) == set(entry) and all(
+                    torch.equal(local := opt.state[params[key]][entry_name], value) and local.dtype == value.dtype
+                    if isinstance(value, torch.Tensor) else opt.state[params[key]][entry_name] == value
+                    for entry_name, value in entry.items())
+                for key, entry in saved["state"].items())
+            # The plain run from the same state: the 2 ranks' state dict with every entry gathered whole.
+            plain_model = _model()
+            with torch.no_grad():
+                for q, value in zip(plain_model.parameters(), saved["params"].split([q.numel() for q in params])):
+                    q.copy_(value.reshape(q.shape))
+            plain = _optimizer(name, plain_model.parameters(), **kwargs)
+            plain.load_state_dict({**saved["per_rank"], "state": saved["state"]})
+            for gradients in saved["gradients"]:
+                for p, q, whole in zip(params, plain_model.parameters(), gradients):
+                    p.grad = DTensor.from_local(whole.clone(), mesh, p.placements, run_check=False)
+                    q.grad = whole.clone()
+                opt.step()
+                plain.step()
+            resumed = _whole(model)
+            seen["equals_plain"] = torch.equal(resumed, torch.cat([q.detach().reshape(-1)
+                                                                   for q in plain_model.parameters()]))
+            seen["equals_two_ranks"] = torch.equal(resumed, saved["uninterrupted"])
+        results[name] = seen
     return results
 
 
@@ -689,3 +789,52 @@ def test_checkpoints_resume_bit_for_bit(ranks, name):
         seen = result["checkpoints"][name]
         assert seen["dcp"] and seen["state_dict"]
         assert seen["unsharded_refused"] is not None and "cannot reshard" in seen["unsharded_refused"], seen
+
+
+@pytest.mark.parametrize("name", RESHARDABLE)
+def test_a_dcp_checkpoint_of_two_ranks_resumes_on_one_rank_bit_for_bit(ranks, name):
+    seen = ranks[0]["checkpoints"]["one_rank"][name]
+    assert seen["dcp_refused"] is None, seen
+    # Each coordinate's state and weight is what the 2 ranks saved.
+    assert seen["params_equal"] and seen["state_equal"], seen
+    # The resumed run is the one started on 1 rank from that state (as on plain tensors, the whole state loaded).
+    assert seen["equals_plain"], seen
+    if name == "FlatSGD":  # elementwise: also the 2 ranks' own run, given the same gradients
+        assert seen["equals_two_ranks"], seen
+    else:  # Top-k blocks of 8 cut from 1 rank's shard instead of 2 ranks': another selection, by design
+        assert not seen["equals_two_ranks"], seen
+    # The per-rank state dict holds rank 0's part only: still refused, pointing to the checkpoint that reshards.
+    refused = seen["per_rank_refused"]
+    assert refused is not None and "sharded over 2 ranks" in refused and "over 1" in refused, refused
+    assert "torch.distributed.checkpoint reshards it" in refused, refused
+
+
+@pytest.mark.parametrize("name", [name for name in CHECKPOINT_SETTINGS if name not in RESHARDABLE])
+def test_window_checkpoints_refuse_another_number_of_ranks(ranks, name):
+    seen = ranks[0]["checkpoints"]["one_rank"][name]
+    assert seen["dcp_refused"] is not None, seen
+    refused = seen["per_rank_refused"]
+    assert refused is not None and "sharded over 2 ranks" in refused and "over 1" in refused, refused
+    assert "cannot reshard" in refused and "torch.distributed.checkpoint reshards" not in refused, refused
+
+
+def test_a_ranks_part_saved_on_another_number_of_ranks_is_refused():
+    # A momentum of 7 rows (rank 0's part of 13 on 2 ranks) under shard_world=2 may not load as anyone's whole
+    # state: nothing tells which rows it holds. The optimizer is left as it was.
+    import tritonopt
+
+    model = _model()
+    opt = tritonopt.optim.FlatSGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["shard_world"] = 2
+    saved["state"][0]["momentum_buffer"] = saved["state"][0]["momentum_buffer"][:7].clone()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"saved for sharded over 2 ranks, this optimizer has unsharded parameters, "
+                                         r"and its state 'momentum_buffer' of shape \(7, 5\) is not laid out like"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert all(torch.equal(after["state"][key]["momentum_buffer"], entry["momentum_buffer"])
+               for key, entry in before["state"].items())

@@ -38,7 +38,9 @@ are views of its slice, so the kernels run once per group while
   sharded ``state_dict`` shows the per-rank state as DTensors (so that
   ``torch.distributed.checkpoint`` saves every rank's part) and carries its
   layout and world size in each parameter group as well (``get_optimizer_state_dict``
-  keeps only ``state`` and ``param_groups``).
+  keeps only ``state`` and ``param_groups``). A checkpoint resumes on as many ranks
+  as saved it, or on any number where the whole state is per coordinate
+  (``RESHARDABLE``): ``torch.distributed.checkpoint`` reshards it exactly.
 """
 
 from __future__ import annotations
@@ -222,6 +224,10 @@ class PackedOptimizer(Optimizer):
     # over the ranks along their first dimension.
     LIKE_PARAM_ENTRIES: frozenset = frozenset()
     RANK_STACKED_ENTRIES: frozenset = frozenset()
+    # True where a sharded checkpoint may resume on another number of ranks: the whole state is per coordinate
+    # and laid out like the parameter (LIKE_PARAM_ENTRIES) or the same on every rank (counters), so what
+    # torch.distributed.checkpoint reshards onto this optimizer's parameters is each coordinate's saved state.
+    RESHARDABLE: bool = False
 
     def __init__(self, params: Iterable, defaults: dict, on_nonfinite: str = "skip"):
         check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
@@ -491,10 +497,14 @@ class PackedOptimizer(Optimizer):
                 for name, value in entry.items():
                     if is_sharded(value):
                         if value.device_mesh.size() != world:
+                            reshard = (" (torch.distributed.checkpoint reshards it: dcp.load into this "
+                                       "optimizer's get_optimizer_state_dict, then set_optimizer_state_dict)"
+                                       if self.RESHARDABLE else "")
                             raise ValueError(
                                 f"saved state {name!r} is sharded over {value.device_mesh.size()} ranks, and this "
                                 f"optimizer's parameters over {world or 1}; {type(self).__name__} keeps each "
                                 "rank's part of its state and cannot reshard it: resume on as many ranks"
+                                + reshard
                             )
                         entry[name] = value.to_local()
             local_state[key] = entry
@@ -509,6 +519,7 @@ class PackedOptimizer(Optimizer):
         the state belongs to listed parameters, and every entry's names, shapes,
         dtypes, counters and finiteness (:meth:`_checkpoint_spec`).
         """
+        as_given = state_dict
         state_dict = self._local_state_dict(state_dict)
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
             state_dict.get("param_groups"), (list, tuple)
@@ -530,6 +541,7 @@ class PackedOptimizer(Optimizer):
         if strays:
             raise ValueError(f"the state dict holds state for parameter ids {strays} that no parameter group lists")
         check_param_layout(state_dict.get(LAYOUT_KEY), self.param_groups)
+        self._check_resharded(as_given["state"], saved_groups, state_dict.get(SHARD_WORLD_KEY))
         skipped = state_dict.get("skipped_steps", 0)
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"skipped_steps must be an int >= 0, got {skipped!r}")
@@ -547,19 +559,59 @@ class PackedOptimizer(Optimizer):
                            [saved_state.get(i) for i in saved["params"]])
 
     def _check_shard_world(self, saved) -> None:
-        """A checkpoint resumes on as many ranks as saved it (None: unsharded), else ``ValueError``."""
+        """A checkpoint resumes on as many ranks as saved it (None: unsharded), else ``ValueError``; a
+        ``RESHARDABLE`` optimizer's on any number, its entries checked by :meth:`_check_resharded`."""
         world = self._shards.spec.world if self._shards is not None else None
         if saved == world:
             return
         if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 1):
             raise ValueError(f"{SHARD_WORLD_KEY} must be an int >= 1, got {saved!r}")
-        saved_text = f"sharded over {saved} ranks" if saved is not None else "unsharded parameters"
-        mine_text = f"sharded over {world} ranks" if world is not None else "unsharded parameters"
+        if self.RESHARDABLE:
+            return
+        saved_text, mine_text = self._world_texts(saved)
         raise ValueError(
             f"{SHARD_WORLD_KEY}: the state dict was saved for {saved_text}, this optimizer has {mine_text}; "
             f"{type(self).__name__} keeps each rank's part of its state (its shards' columns of the window, "
             "its blocks) and cannot reshard it: resume with the same number of ranks"
         )
+
+    def _world_texts(self, saved) -> tuple[str, str]:
+        world = self._shards.spec.world if self._shards is not None else None
+        return (f"sharded over {saved} ranks" if saved is not None else "unsharded parameters",
+                f"sharded over {world} ranks" if world is not None else "unsharded parameters")
+
+    def _check_resharded(self, saved_state: dict, saved_groups: Sequence[dict], saved_world) -> None:
+        """A checkpoint saved on another number of ranks holds every per-coordinate entry laid out for this
+        optimizer's parameters (``ValueError`` otherwise): a DTensor laid out like its parameter (what
+        ``torch.distributed.checkpoint`` loads into this optimizer's ``get_optimizer_state_dict``), or a
+        tensor of the parameter's whole shape. A rank's part saved on another count of ranks is refused:
+        nothing tells which of the parameter's rows it holds.
+        """
+        world = self._shards.spec.world if self._shards is not None else None
+        if saved_world == world:
+            return
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in saved_groups)
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            entry = saved_state.get(saved_id)
+            if not isinstance(entry, dict):
+                continue  # CheckpointSpec names the problem
+            for name, value in entry.items():
+                if name not in self.LIKE_PARAM_ENTRIES or not isinstance(value, torch.Tensor):
+                    continue
+                if is_sharded(value):
+                    laid_out_here = value.shape == p.shape and value.placements == getattr(p, "placements", None)
+                else:
+                    laid_out_here = value.shape == p.shape
+                if not laid_out_here:
+                    saved_text, mine_text = self._world_texts(saved_world)
+                    raise ValueError(
+                        f"{SHARD_WORLD_KEY}: the state dict was saved for {saved_text}, this optimizer has "
+                        f"{mine_text}, and its state {name!r} of shape {tuple(value.shape)} is not laid out like "
+                        f"its parameter of shape {tuple(p.shape)}: a rank's part saved on another number of ranks "
+                        "cannot be resharded; load a torch.distributed.checkpoint instead (dcp.load into this "
+                        "optimizer's get_optimizer_state_dict, then set_optimizer_state_dict)"
+                    )
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.check_state_dict(state_dict)

@@ -139,12 +139,16 @@ class FlatSGD(PackedOptimizer):
     computes the same bounds; a step that could overflow all-reduces its
     measured bounds (8 bytes per group) and is undone on every rank when any
     rank's result is not finite. The ranks must rebuild their buffers together
-    (they do: the first step, a load, a refused step that created state).
+    (they do: the first step, a load, a refused step that created state). A
+    checkpoint of ``torch.distributed.checkpoint`` resumes on any number of
+    ranks: each coordinate's momentum is what was saved, and the run goes on as
+    an uninterrupted one on the new ranks would.
     """
 
     ALGO = "flat_sgd"
     SHARDING_REFUSAL = None
     LIKE_PARAM_ENTRIES = frozenset({"momentum_buffer"})
+    RESHARDABLE = True  # the momentum is per coordinate, the step counter the same on every rank
 
     def __init__(
         self,

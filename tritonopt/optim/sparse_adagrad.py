@@ -63,12 +63,17 @@ class SparseAdaGrad(PackedOptimizer):
     the block) the update is elementwise and equals the unsharded optimizer's
     bit for bit; with fewer kept entries the blocks, and so the selection,
     differ from an unsharded run's. The ranks agree on skipping a step (one
-    all-reduce of one float per step).
+    all-reduce of one float per step). A checkpoint of
+    ``torch.distributed.checkpoint`` resumes on any number of ranks with each
+    coordinate's ``error`` and ``sum_sq`` as saved; the blocks are then cut from
+    the new ranks' shards, so with fewer kept entries the run goes on as one
+    started on the new ranks from that state, not as the saved ranks' would.
     """
 
     ALGO = "sparse_adagrad"
     SHARDING_REFUSAL = None
     LIKE_PARAM_ENTRIES = frozenset({"error", "sum_sq"})
+    RESHARDABLE = True  # e and H are per coordinate, the step counters the same on every rank
 
     def __init__(
         self,
