@@ -56,7 +56,8 @@ import math
 import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton, candidate_configs
-from tritonopt.kernels._alignment import alignment, assume_multiple
+from tritonopt.kernels._alignment import alignment
+from tritonopt.kernels._tiles import column_program, load_tile
 
 BASES = ("sgd", "heavy_ball", "adam")
 _BASE_CODE = {"sgd": 0, "heavy_ball": 1, "adam": 2}
@@ -94,17 +95,12 @@ def _fosi_coefficients_kernel(
     basis_ptr,  # [r, n], row stride stride_v (>= n; an even one keeps loads vectorised)
     vec_ptr,  # [n] (grad: any float dtype)
     partial_ptr,  # [max_programs, r] output
-    n,
-    r,
-    stride_v,
+    n, r, stride_v,  # V is [r, n], its rows stride_v elements apart
     n_bucket,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_v
 ):
-    stride_v = assume_multiple(stride_v, STRIDE_ALIGN)  # rows of V start aligned: vector loads
-    pid = tl.program_id(0).to(tl.int64)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    stride_v, pid, cols = column_program(stride_v, STRIDE_ALIGN, BLOCK_N)
     if (pid + 1) * BLOCK_N <= n:  # interior: a bound known to be a multiple of BLOCK_N (vector loads)
         _coefficients_tile(basis_ptr, vec_ptr, partial_ptr, pid, cols, (n // BLOCK_N) * BLOCK_N, r,
                            stride_v, BLOCK_R)
@@ -113,17 +109,20 @@ def _fosi_coefficients_kernel(
 
 
 @jit
-def _coefficients_tile(basis_ptr, vec_ptr, partial_ptr, pid, cols, col_bound, r, stride_v,
-                       BLOCK_R: tl.constexpr):
+def _basis_tile(basis_ptr, cols, col_bound, r, stride_v, BLOCK_R: tl.constexpr):
+    """``(tile, rows, in_rows, in_cols)``: V's ``[BLOCK_R, len(cols)]`` tile at ``cols``, zero outside
+    ``r`` rows and ``col_bound`` columns, with its row indices and both masks."""
     in_cols = cols < col_bound
     rows = tl.arange(0, BLOCK_R)
     in_rows = rows < r
+    return load_tile(basis_ptr, rows.to(tl.int64), in_rows, cols, in_cols, stride_v), rows, in_rows, in_cols
+
+
+@jit
+def _coefficients_tile(basis_ptr, vec_ptr, partial_ptr, pid, cols, col_bound, r, stride_v,
+                       BLOCK_R: tl.constexpr):
+    tile, rows, in_rows, in_cols = _basis_tile(basis_ptr, cols, col_bound, r, stride_v, BLOCK_R)
     x = tl.load(vec_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
-    tile = tl.load(
-        basis_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :],
-        mask=in_rows[:, None] & in_cols[None, :],
-        other=0.0,
-    )
     tl.store(partial_ptr + pid * r + rows, tl.sum(tile * x[None, :], axis=1), mask=in_rows)
 
 
@@ -145,9 +144,7 @@ def _fosi_base_kernel(
     state_a_ptr,  # [n] fp32: momentum / exp_avg (unused for sgd)
     state_b_ptr,  # [n] fp32: exp_avg_sq (adam only)
     partial_ptr,  # [max_programs, r] output: partials of e = V u
-    n,
-    r,
-    stride_v,
+    n, r, stride_v,  # V is [r, n], its rows stride_v elements apart
     lr,
     beta1,
     beta2,
@@ -159,13 +156,10 @@ def _fosi_base_kernel(
     base_scale,
     n_bucket,
     BASE: tl.constexpr,  # 0 sgd, 1 heavy_ball, 2 adam
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_v
 ):
-    stride_v = assume_multiple(stride_v, STRIDE_ALIGN)  # rows of V start aligned: vector loads
-    pid = tl.program_id(0).to(tl.int64)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    stride_v, pid, cols = column_program(stride_v, STRIDE_ALIGN, BLOCK_N)
     if (pid + 1) * BLOCK_N <= n:  # interior: a bound known to be a multiple of BLOCK_N (vector loads)
         _base_tile(param_ptr, grad_ptr, basis_ptr, coef_ptr, newton_ptr, state_a_ptr, state_b_ptr,
                    partial_ptr, pid, cols, (n // BLOCK_N) * BLOCK_N, r, stride_v, lr, beta1, beta2,
@@ -180,14 +174,7 @@ def _fosi_base_kernel(
 def _base_tile(param_ptr, grad_ptr, basis_ptr, coef_ptr, newton_ptr, state_a_ptr, state_b_ptr, partial_ptr,
                pid, cols, col_bound, r, stride_v, lr, beta1, beta2, one_minus_beta1, one_minus_beta2,
                step_size, bc2_sqrt, eps, base_scale, BASE: tl.constexpr, BLOCK_R: tl.constexpr):
-    in_cols = cols < col_bound
-    rows = tl.arange(0, BLOCK_R)
-    in_rows = rows < r
-    tile = tl.load(
-        basis_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :],
-        mask=in_rows[:, None] & in_cols[None, :],
-        other=0.0,
-    )
+    tile, rows, in_rows, in_cols = _basis_tile(basis_ptr, cols, col_bound, r, stride_v, BLOCK_R)
     coef = tl.load(coef_ptr + rows, mask=in_rows, other=0.0)
     newton = tl.load(newton_ptr + rows, mask=in_rows, other=0.0)
     g = tl.load(grad_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
@@ -222,18 +209,13 @@ def _fosi_project_out_kernel(
     param_ptr,  # [n] fp32, updated: w -= b V^T e
     basis_ptr,  # [r, n], row stride stride_v
     coef_ptr,  # [r] e = V u
-    n,
-    r,
-    stride_v,
+    n, r, stride_v,  # V is [r, n], its rows stride_v elements apart
     base_scale,
     n_bucket,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_v
 ):
-    stride_v = assume_multiple(stride_v, STRIDE_ALIGN)  # rows of V start aligned: vector loads
-    pid = tl.program_id(0).to(tl.int64)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    stride_v, pid, cols = column_program(stride_v, STRIDE_ALIGN, BLOCK_N)
     if (pid + 1) * BLOCK_N <= n:  # interior: a bound known to be a multiple of BLOCK_N (vector loads)
         _project_out_tile(param_ptr, basis_ptr, coef_ptr, cols, (n // BLOCK_N) * BLOCK_N, r, stride_v,
                           base_scale, BLOCK_R)
@@ -244,14 +226,7 @@ def _fosi_project_out_kernel(
 @jit
 def _project_out_tile(param_ptr, basis_ptr, coef_ptr, cols, col_bound, r, stride_v, base_scale,
                       BLOCK_R: tl.constexpr):
-    in_cols = cols < col_bound
-    rows = tl.arange(0, BLOCK_R)
-    in_rows = rows < r
-    tile = tl.load(
-        basis_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :],
-        mask=in_rows[:, None] & in_cols[None, :],
-        other=0.0,
-    )
+    tile, rows, in_rows, in_cols = _basis_tile(basis_ptr, cols, col_bound, r, stride_v, BLOCK_R)
     coef = tl.load(coef_ptr + rows, mask=in_rows, other=0.0)
     w = tl.load(param_ptr + cols, mask=in_cols, other=0.0)
     tl.store(param_ptr + cols, w - base_scale * tl.sum(tile * coef[:, None], axis=0), mask=in_cols)

@@ -45,7 +45,8 @@ import contextlib
 import torch
 
 from tritonopt._runtime import autotune, candidate_configs, cdiv, jit, next_power_of_2, tl, triton
-from tritonopt.kernels._alignment import alignment, assume_multiple
+from tritonopt.kernels._alignment import alignment
+from tritonopt.kernels._tiles import column_program, load_tile
 
 def _gs_configs():
     # (8, 2048) with 8 warps spilled on sm_90 with Triton 3.6: (4, 2048) holds half the tile.
@@ -65,11 +66,7 @@ def _coefficients_tile(basis_ptr, h_ptr, partial_ptr, pid, cols, col_bound, num_
     for row_start in range(0, num_rows, BLOCK_M):
         rows = row_start + tl.arange(0, BLOCK_M)
         in_rows = rows < num_rows
-        tile = tl.load(
-            basis_ptr + rows.to(tl.int64)[:, None] * stride_d + cols[None, :],
-            mask=in_rows[:, None] & in_cols[None, :],
-            other=0.0,
-        )
+        tile = load_tile(basis_ptr, rows.to(tl.int64), in_rows, cols, in_cols, stride_d)
         partial = tl.sum(tile * h[None, :], axis=1)
         tl.store(partial_ptr + pid * num_rows + rows, partial, mask=in_rows)
 
@@ -91,9 +88,7 @@ def _gs_coefficients_kernel(
     BLOCK_N: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_d
 ):
-    stride_d = assume_multiple(stride_d, STRIDE_ALIGN)  # rows of the basis start aligned: vector loads
-    pid = tl.program_id(0).to(tl.int64)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    stride_d, pid, cols = column_program(stride_d, STRIDE_ALIGN, BLOCK_N)
     # Interior programs mask with a bound the compiler knows is a multiple of
     # BLOCK_N, so their loads stay vectorised whatever n_cols is; only the last
     # program masks with n_cols itself.
@@ -114,11 +109,7 @@ def _subtract_tile(basis_ptr, h_ptr, coef_ptr, out_ptr, sq_partial_ptr, pid, col
         rows = row_start + tl.arange(0, BLOCK_M)
         in_rows = rows < num_rows
         coef = tl.load(coef_ptr + rows, mask=in_rows, other=0.0)
-        tile = tl.load(
-            basis_ptr + rows.to(tl.int64)[:, None] * stride_d + cols[None, :],
-            mask=in_rows[:, None] & in_cols[None, :],
-            other=0.0,
-        )
+        tile = load_tile(basis_ptr, rows.to(tl.int64), in_rows, cols, in_cols, stride_d)
         projection += tl.sum(tile * coef[:, None], axis=0)
     result = h - projection
     tl.store(out_ptr + cols, result, mask=in_cols)
@@ -142,9 +133,7 @@ def _gs_subtract_kernel(
     BLOCK_N: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,  # a power of two dividing stride_d
 ):
-    stride_d = assume_multiple(stride_d, STRIDE_ALIGN)  # rows of the basis start aligned: vector loads
-    pid = tl.program_id(0).to(tl.int64)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    stride_d, pid, cols = column_program(stride_d, STRIDE_ALIGN, BLOCK_N)
     if (pid + 1) * BLOCK_N <= n_cols:  # interior: a bound known to be a multiple of BLOCK_N
         _subtract_tile(basis_ptr, h_ptr, coef_ptr, out_ptr, sq_partial_ptr, pid, cols,
                        (n_cols // BLOCK_N) * BLOCK_N, num_rows, stride_d, BLOCK_M)
