@@ -3,7 +3,8 @@
 FOSI's three passes and Lanczos's two Gram-Schmidt kernels give each program
 ``BLOCK_N`` columns of a basis whose rows start ``stride`` elements apart
 (:func:`column_program`), and those kernels and the low-rank power iteration
-load masked 2-D tiles with one pattern (:func:`load_tile`). Triton inlines
+load and store masked 2-D tiles with one pattern (:func:`load_tile`,
+:func:`store_tile`). Triton inlines
 these helpers, so every caller compiles to the code it would write itself.
 """
 
@@ -30,3 +31,9 @@ def load_tile(ptr, rows, row_ok, cols, col_ok, row_stride):
     """
     return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                    other=0.0)
+
+
+@jit
+def store_tile(ptr, rows, row_ok, cols, col_ok, row_stride, value):
+    """Writes ``value`` where :func:`load_tile` with the same arguments reads."""
+    tl.store(ptr + rows[:, None] * row_stride + cols[None, :], value, mask=row_ok[:, None] & col_ok[None, :])

@@ -101,11 +101,42 @@ def _kth_largest_key(key, k):
     while lo + 1 < hi:
         mid = lo + (hi - lo) // 2
         count = tl.sum((key >= mid).to(tl.int32), axis=0)
-        enough = count >= k
-        lo = tl.where(enough, mid, lo)
-        n_above_hi = tl.where(enough, n_above_hi, count)
-        hi = tl.where(enough, hi, mid)
+        lo, n_above_hi, hi = _bisect(lo, n_above_hi, hi, mid, count, k)
     return lo, n_above_hi
+
+
+@jit
+def _bisect(lo, n_above_hi, hi, mid, count, k):
+    """``(lo, n_above_hi, hi)`` after one bisection step at ``mid``, ``count = count(key >= mid)``."""
+    enough = count >= k
+    return tl.where(enough, mid, lo), tl.where(enough, n_above_hi, count), tl.where(enough, hi, mid)
+
+
+@jit
+def _accumulator(grad_ptr, error_ptr, base, offs, in_row):
+    """``a = error + grad`` in float32 at ``offs`` of the row that starts at ``base``."""
+    g = tl.load(grad_ptr + base + offs, mask=in_row, other=0.0).to(tl.float32)
+    e = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
+    return e + g
+
+
+@jit
+def _stored_tile(error_ptr, base, start, lanes, block_size):
+    """``(offs, in_row, a, key)``: the tile of ``a`` (held in ``error``) at ``start + lanes`` of the row
+    that starts at ``base``, its mask and its ranking keys (-1 outside the row)."""
+    offs = start + lanes
+    in_row = offs < block_size
+    a = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
+    return offs, in_row, a, tl.where(in_row, _magnitude_key(a), -1)
+
+
+@jit
+def _write_selected(error_ptr, idx_ptr, val_ptr, row, base, k, offs, in_row, a, selected, slot):
+    """Writes the ``selected`` entries of ``a`` at their output ``slot`` and clears them from the error."""
+    out = row * k + slot
+    tl.store(idx_ptr + out, offs, mask=selected)
+    tl.store(val_ptr + out, a, mask=selected)
+    tl.store(error_ptr + base + offs, tl.where(selected, 0.0, a), mask=in_row)
 
 
 @jit
@@ -120,18 +151,12 @@ def _select_tiles(error_ptr, idx_ptr, val_ptr, row, base, block_size, k, tau, ti
     ties_before = tau * 0
     selected_before = tau * 0
     for t in range(NUM_TILES):
-        offs = t * TILE + lanes
-        in_row = offs < block_size
-        a = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
-        key = tl.where(in_row, _magnitude_key(a), -1)
+        offs, in_row, a, key = _stored_tile(error_ptr, base, t * TILE, lanes, block_size)
         at_tau = key == tau
         rank_at_tau = ties_before + tl.cumsum(at_tau.to(tl.int32), axis=0)
         selected = (key > tau) | (at_tau & (rank_at_tau <= ties_wanted))
         slot = selected_before + tl.cumsum(selected.to(tl.int32), axis=0) - 1
-        out = row * k + slot
-        tl.store(idx_ptr + out, offs, mask=selected)
-        tl.store(val_ptr + out, a, mask=selected)
-        tl.store(error_ptr + base + offs, tl.where(selected, 0.0, a), mask=in_row)
+        _write_selected(error_ptr, idx_ptr, val_ptr, row, base, k, offs, in_row, a, selected, slot)
         ties_before += tl.sum(at_tau.to(tl.int32), axis=0)
         selected_before += tl.sum(selected.to(tl.int32), axis=0)
 
@@ -153,9 +178,7 @@ def _ef_topk_row_kernel(
     offs = tl.arange(0, BLOCK)
     in_row = offs < block_size
     base = row * block_size
-    g = tl.load(grad_ptr + base + offs, mask=in_row, other=0.0).to(tl.float32)
-    e = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
-    a = e + g
+    a = _accumulator(grad_ptr, error_ptr, base, offs, in_row)
     key = tl.where(in_row, _magnitude_key(a), -1)
     tau, n_above_tau = _kth_largest_key(key, k)
 
@@ -163,23 +186,15 @@ def _ef_topk_row_kernel(
     rank_at_tau = tl.cumsum(at_tau.to(tl.int32), axis=0)
     selected = (key > tau) | (at_tau & (rank_at_tau <= k - n_above_tau))
     slot = tl.cumsum(selected.to(tl.int32), axis=0) - 1
-    out = row * k + slot
-    tl.store(idx_ptr + out, offs, mask=selected)
-    tl.store(val_ptr + out, a, mask=selected)
-    tl.store(error_ptr + base + offs, tl.where(selected, 0.0, a), mask=in_row)
+    _write_selected(error_ptr, idx_ptr, val_ptr, row, base, k, offs, in_row, a, selected, slot)
 
 
 @autotune(_resident_configs, key=["BLOCK", "TILE", "rows_bucket"], restore_value=["error_ptr"],
           prune=_fits_per_thread("BLOCK", _RESIDENT_KEYS_PER_THREAD))
 @jit
 def _ef_topk_resident_kernel(
-    grad_ptr,  # [num_blocks, block_size] fp32/fp16/bf16, contiguous
-    error_ptr,  # [num_blocks, block_size] fp32, updated in place (holds `a` mid-kernel)
-    idx_ptr,  # [num_blocks, k] int32, output
-    val_ptr,  # [num_blocks, k] fp32, output
-    block_size,  # row length
-    k,  # entries kept per row
-    rows_bucket,  # autotune key only
+    grad_ptr, error_ptr, idx_ptr, val_ptr,  # as the row kernel's; error holds `a` mid-kernel
+    block_size, k, rows_bucket,  # as the row kernel's
     BLOCK: tl.constexpr,  # next power of two >= block_size: the register-resident keys
     TILE: tl.constexpr,  # elements per tile of the final pass (power of two)
     NUM_TILES: tl.constexpr,  # cdiv(block_size, TILE)
@@ -189,9 +204,7 @@ def _ef_topk_resident_kernel(
     base = row * block_size
     offs = tl.arange(0, BLOCK)
     in_row = offs < block_size
-    g = tl.load(grad_ptr + base + offs, mask=in_row, other=0.0).to(tl.float32)
-    e = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
-    a = e + g
+    a = _accumulator(grad_ptr, error_ptr, base, offs, in_row)
     tl.store(error_ptr + base + offs, a, mask=in_row)
     key = tl.where(in_row, _magnitude_key(a), -1)
     tau, n_above_tau = _kth_largest_key(key, k)
@@ -204,13 +217,8 @@ def _ef_topk_resident_kernel(
           prune=_fits_per_thread("TILE", _ROW_ELEMENTS_PER_THREAD))
 @jit
 def _ef_topk_tiled_kernel(
-    grad_ptr,  # [num_blocks, block_size] fp32/fp16/bf16, contiguous
-    error_ptr,  # [num_blocks, block_size] fp32, updated in place (holds `a` mid-kernel)
-    idx_ptr,  # [num_blocks, k] int32, output
-    val_ptr,  # [num_blocks, k] fp32, output
-    block_size,  # row length, > MAX_RESIDENT
-    k,  # entries kept per row
-    rows_bucket,  # autotune key only
+    grad_ptr, error_ptr, idx_ptr, val_ptr,  # as the row kernel's; error holds `a` mid-kernel
+    block_size, k, rows_bucket,  # as the row kernel's, with block_size > MAX_RESIDENT
     TILE: tl.constexpr,  # elements per tile (power of two)
     NUM_TILES: tl.constexpr,  # cdiv(block_size, TILE)
 ):
@@ -224,9 +232,7 @@ def _ef_topk_tiled_kernel(
     for t in range(NUM_TILES):
         offs = t * TILE + lanes
         in_row = offs < block_size
-        g = tl.load(grad_ptr + base + offs, mask=in_row, other=0.0).to(tl.float32)
-        e = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
-        a = e + g
+        a = _accumulator(grad_ptr, error_ptr, base, offs, in_row)
         tl.store(error_ptr + base + offs, a, mask=in_row)
         key = tl.where(in_row, _magnitude_key(a), -1)
         max_key = tl.maximum(max_key, tl.max(key, axis=0))
@@ -239,15 +245,9 @@ def _ef_topk_tiled_kernel(
         mid = lo + (hi - lo) // 2
         count = hi * 0
         for t in range(NUM_TILES):
-            offs = t * TILE + lanes
-            in_row = offs < block_size
-            a = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
-            key = tl.where(in_row, _magnitude_key(a), -1)
+            offs, in_row, a, key = _stored_tile(error_ptr, base, t * TILE, lanes, block_size)
             count += tl.sum((key >= mid).to(tl.int32), axis=0)
-        enough = count >= k
-        lo = tl.where(enough, mid, lo)
-        n_above_hi = tl.where(enough, n_above_hi, count)
-        hi = tl.where(enough, hi, mid)
+        lo, n_above_hi, hi = _bisect(lo, n_above_hi, hi, mid, count, k)
     tl.debug_barrier()
     _select_tiles(error_ptr, idx_ptr, val_ptr, row, base, block_size, k, lo, k - n_above_hi,
                   TILE, NUM_TILES)

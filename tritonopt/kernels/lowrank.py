@@ -51,6 +51,7 @@ import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
 from tritonopt.kernels._alignment import alignment, assume_multiple
+from tritonopt.kernels._tiles import load_tile, store_tile
 
 GRAM_SCHMIDT_EPS = 1e-8
 # Relative norm below which a column counts as dependent on the previous ones.
@@ -72,6 +73,15 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+@jit
+def _reduction_segment(segment_len, length):
+    """``(segment, start, stop)``: the range of the reduction dimension (``length`` long) that this
+    program's segment (grid axis 1) sums."""
+    segment = tl.program_id(1)
+    start = segment * segment_len
+    return segment, start, tl.minimum(start + segment_len, length)
+
+
 # The sums over a tile run in a layout that depends on num_warps: every kernel
 # here is pinned per key.
 @autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], pinned=True, restore_value=["error_ptr"])
@@ -81,24 +91,19 @@ def _accumulate_project_kernel(
     error_ptr,  # [n, p] fp32, becomes A = error + grad
     q_ptr,  # [p, r] fp32
     out_p_ptr,  # [segments, n, r] fp32, output: partial P = A Q over each column segment
-    n,
-    p,
-    r,
+    n, p, r,  # A is [n, p], the factors have r columns
     segment_cols,  # columns per segment, a multiple of BLOCK_P
-    R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     P_ALIGN: tl.constexpr,  # a power of two dividing p
 ):
     p = assume_multiple(p, P_ALIGN)  # rows start P_ALIGN-aligned: vector loads
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    segment = tl.program_id(1)
     row_ok = rows < n
     ranks = tl.arange(0, R)
     rank_ok = ranks < r
     acc = tl.zeros([BLOCK_N, R], dtype=tl.float32)
-    start = segment * segment_cols
-    for c0 in range(start, tl.minimum(start + segment_cols, p), BLOCK_P):
+    segment, start, stop = _reduction_segment(segment_cols, p)
+    for c0 in range(start, stop, BLOCK_P):
         cols = c0 + tl.arange(0, BLOCK_P)
         col_ok = cols < p
         mask = row_ok[:, None] & col_ok[None, :]
@@ -107,12 +112,9 @@ def _accumulate_project_kernel(
             grad_ptr + offs, mask=mask, other=0.0
         ).to(tl.float32)
         tl.store(error_ptr + offs, a, mask=mask)
-        q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :],
-                    mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+        q = load_tile(q_ptr, cols, col_ok, ranks, rank_ok, r)
         acc += tl.sum(a[:, :, None] * q[None, :, :], axis=1)
-    out_base = segment.to(tl.int64) * n * r
-    tl.store(out_p_ptr + out_base + rows.to(tl.int64)[:, None] * r + ranks[None, :], acc,
-             mask=row_ok[:, None] & rank_ok[None, :])
+    store_tile(out_p_ptr + segment.to(tl.int64) * n * r, rows.to(tl.int64), row_ok, ranks, rank_ok, r, acc)
 
 
 @autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], pinned=True)
@@ -121,34 +123,25 @@ def _back_project_kernel(
     a_ptr,  # [n, p] fp32 (A)
     p_ptr,  # [n, r] fp32 (orthonormalised P)
     out_q_ptr,  # [segments, p, r] fp32, output: partial Q = A^T P over each row segment
-    n,
-    p,
-    r,
+    n, p, r,  # A is [n, p], the factors have r columns
     segment_rows,  # rows per segment, a multiple of BLOCK_N
-    R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     P_ALIGN: tl.constexpr,  # a power of two dividing p
 ):
     p = assume_multiple(p, P_ALIGN)  # rows start P_ALIGN-aligned: vector loads
     cols = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    segment = tl.program_id(1)
     col_ok = cols < p
     ranks = tl.arange(0, R)
     rank_ok = ranks < r
     acc = tl.zeros([BLOCK_P, R], dtype=tl.float32)
-    start = segment * segment_rows
-    for r0 in range(start, tl.minimum(start + segment_rows, n), BLOCK_N):
+    segment, start, stop = _reduction_segment(segment_rows, n)
+    for r0 in range(start, stop, BLOCK_N):
         rows = r0 + tl.arange(0, BLOCK_N)
         row_ok = rows < n
-        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * p + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        pr = tl.load(p_ptr + rows.to(tl.int64)[:, None] * r + ranks[None, :],
-                     mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
+        a = load_tile(a_ptr, rows.to(tl.int64), row_ok, cols, col_ok, p)
+        pr = load_tile(p_ptr, rows.to(tl.int64), row_ok, ranks, rank_ok, r)
         acc += tl.sum(a[:, :, None] * pr[:, None, :], axis=0)
-    out_base = segment.to(tl.int64) * p * r
-    tl.store(out_q_ptr + out_base + cols[:, None] * r + ranks[None, :], acc,
-             mask=col_ok[:, None] & rank_ok[None, :])
+    store_tile(out_q_ptr + segment.to(tl.int64) * p * r, cols, col_ok, ranks, rank_ok, r, acc)
 
 
 @autotune(_configs, key=["R", "BLOCK_N", "BLOCK_P"], pinned=True, restore_value=["error_ptr"])
@@ -157,12 +150,8 @@ def _residual_kernel(
     error_ptr,  # [n, p] fp32: A in, A - P Q^T out
     p_ptr,  # [n, r]
     q_ptr,  # [p, r]
-    n,
-    p,
-    r,
-    R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    n, p, r,  # A is [n, p], the factors have r columns
+    R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     P_ALIGN: tl.constexpr,  # a power of two dividing p
 ):
     p = assume_multiple(p, P_ALIGN)  # rows start P_ALIGN-aligned: vector loads
@@ -173,10 +162,8 @@ def _residual_kernel(
     cols = (pid % col_tiles) * BLOCK_P + tl.arange(0, BLOCK_P)
     ranks = tl.arange(0, R)
     row_ok, col_ok, rank_ok = rows < n, cols < p, ranks < r
-    pr = tl.load(p_ptr + rows.to(tl.int64)[:, None] * r + ranks[None, :],
-                 mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
-    q = tl.load(q_ptr + cols[:, None] * r + ranks[None, :],
-                mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+    pr = load_tile(p_ptr, rows.to(tl.int64), row_ok, ranks, rank_ok, r)
+    q = load_tile(q_ptr, cols, col_ok, ranks, rank_ok, r)
     approx = tl.sum(pr[:, None, :] * q[None, :, :], axis=2)
     mask = row_ok[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * p + cols[None, :]
