@@ -81,6 +81,19 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+@jit
+def _load_entries(idx_ptr, val_ptr, offs, mask):
+    """``(idx, val)``: the ring's indices and its values upcast to float32 at ``offs``, zero where masked."""
+    idx = tl.load(idx_ptr + offs, mask=mask, other=0)
+    return idx, tl.load(val_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@jit
+def _entries_in_block(idx, mask, block_size):
+    """The loaded entries whose index lies in the block (others are skipped, as the reference does)."""
+    return mask & (idx >= 0) & (idx < block_size)
+
+
 # The partial sum of a row covers its k entries in a [ROWS, BLOCK_K] tile whose
 # reduction order depends on the config: pinned per key.
 @autotune(_sp_configs, key=["m_bucket", "BLOCK_K"], pinned=True)  # writes every partial
@@ -90,9 +103,7 @@ def _sparse_sp_kernel(
     val_ptr,  # [num_blocks, m, k] fp32 / bf16
     x_ptr,  # [num_blocks, block_size] fp32
     partial_ptr,  # [num_blocks, m] fp32, output
-    m,
-    k,
-    block_size,
+    m, k, block_size,  # rows, entries per row, coordinates per block
     m_bucket,  # autotune key only
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -114,10 +125,8 @@ def _sparse_sp_kernel(
         c = k0 + cols
         mask = row_ok[:, None] & (c[None, :] < k)
         offs = row_base[:, None] + c[None, :]
-        idx = tl.load(idx_ptr + offs, mask=mask, other=0)
-        val = tl.load(val_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        in_block = mask & (idx >= 0) & (idx < block_size)
-        x = tl.load(x_base + idx, mask=in_block, other=0.0)
+        idx, val = _load_entries(idx_ptr, val_ptr, offs, mask)
+        x = tl.load(x_base + idx, mask=_entries_in_block(idx, mask, block_size), other=0.0)
         acc += tl.sum(val * x, axis=1)
     tl.store(partial_ptr + blk * m + rows, acc, mask=row_ok)
 
@@ -126,16 +135,12 @@ def _sparse_sp_kernel(
 @autotune(_lcg_configs, key=["m_bucket", "BLOCK_K"])  # rewrites the whole output
 @jit
 def _sparse_lcg_kernel(
-    idx_ptr,  # [num_blocks, m, k] int16 / int32
-    val_ptr,  # [num_blocks, m, k] fp32 / bf16
+    idx_ptr, val_ptr,  # the ring, as the SP kernel's
     w_ptr,  # [m] fp32
     out_ptr,  # [num_blocks, block_size] fp32, output (fully written)
-    m,
-    k,
-    block_size,
+    m, k, block_size,  # as the SP kernel's
     m_bucket,  # autotune key only
-    BLOCK_K: tl.constexpr,
-    ZERO: tl.constexpr,
+    BLOCK_K: tl.constexpr, ZERO: tl.constexpr,  # entries per chunk of a row, the tile that zeroes the output
     K_ALIGN: tl.constexpr,  # a power of two dividing k
 ):
     k = assume_multiple(k, K_ALIGN)  # rows start K_ALIGN-aligned: vector loads of indices and values
@@ -154,8 +159,7 @@ def _sparse_lcg_kernel(
     c = cols
     mask = c < k
     base = blk * m * k
-    idx = tl.load(idx_ptr + base + c, mask=mask, other=0)
-    val = tl.load(val_ptr + base + c, mask=mask, other=0.0).to(tl.float32)
+    idx, val = _load_entries(idx_ptr + base, val_ptr + base, c, mask)
     w = tl.load(w_ptr)
     tl.debug_barrier()
     for step in range(0, steps):
@@ -165,10 +169,9 @@ def _sparse_lcg_kernel(
         c_next = (nxt % chunks) * BLOCK_K + cols
         mask_next = c_next < k
         offs_next = (blk * m + r_next) * k + c_next
-        idx_next = tl.load(idx_ptr + offs_next, mask=mask_next, other=0)
-        val_next = tl.load(val_ptr + offs_next, mask=mask_next, other=0.0).to(tl.float32)
+        idx_next, val_next = _load_entries(idx_ptr, val_ptr, offs_next, mask_next)
         w_next = tl.load(w_ptr + r_next)
-        in_block = mask & (idx >= 0) & (idx < block_size)
+        in_block = _entries_in_block(idx, mask, block_size)
         current = tl.load(out_base + idx, mask=in_block, other=0.0)
         # Launched without FMA contraction: w * val is rounded before the add, as in the reference.
         tl.store(out_base + idx, current + w * val, mask=in_block)
@@ -252,11 +255,7 @@ def sparse_lcg_triton(
 
 
 def sparse_ring_insert_triton(
-    indices: torch.Tensor,
-    values: torch.Tensor,
-    slot: int,
-    new_indices: torch.Tensor,
-    new_values: torch.Tensor,
+    indices: torch.Tensor, values: torch.Tensor, slot: int, new_indices: torch.Tensor, new_values: torch.Tensor
 ) -> None:
     """Write row ``slot``. Arguments must already be validated."""
     num_blocks, m, k = indices.shape
@@ -311,12 +310,9 @@ def sparse_lcg_reference(
 
 
 def sparse_ring_insert_reference(
-    indices: torch.Tensor,
-    values: torch.Tensor,
-    slot: int,
-    new_indices: torch.Tensor,
-    new_values: torch.Tensor,
+    indices: torch.Tensor, values: torch.Tensor, slot: int, new_indices: torch.Tensor, new_values: torch.Tensor
 ) -> None:
+    """Plain-PyTorch insert of row ``slot``; same contract as the kernel."""
     indices[:, slot].copy_(new_indices)
     values[:, slot].copy_(new_values)
 
