@@ -5,7 +5,8 @@ a kernel launched with rows ``k = 164`` float32 entries apart knows nothing of
 their 16-byte alignment and loads them one element at a time. A launcher passes
 :func:`alignment` of such a size as a ``constexpr`` (one compiled variant per
 power of two), and the kernel rebinds the size through :func:`assume_multiple`,
-which leaves its value unchanged but lets the compiler prove the alignment.
+which leaves its value unchanged but lets the compiler prove the alignment; a
+kernel over a flat buffer takes its block and mask from :func:`aligned_block`.
 """
 
 from __future__ import annotations
@@ -33,3 +34,13 @@ def assume_multiple(value, ALIGN: tl.constexpr):
     # Dividing and multiplying back is the identity here; the product carries
     # ALIGN's divisibility, which a hint on a scalar argument does not.
     return value // ALIGN * ALIGN
+
+
+@jit
+def aligned_block(n, N_ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    """``(offs, mask)``: this program's ``BLOCK`` elements of a flat buffer of length ``n`` (int64 offsets),
+    masked at ``n``, which the launcher guarantees is a multiple of ``N_ALIGN``: the mask changes only at
+    multiples of ``N_ALIGN``, so the loads are vectors."""
+    n = assume_multiple(n, N_ALIGN)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return offs, offs < n

@@ -37,16 +37,11 @@ import contextlib
 import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
-from tritonopt.kernels._alignment import alignment, assume_multiple
+from tritonopt.kernels._alignment import aligned_block, alignment
 
 
 def _sgd_configs():
-    return [
-        triton.Config({"BLOCK": 1024}, num_warps=4),
-        triton.Config({"BLOCK": 2048}, num_warps=4),
-        triton.Config({"BLOCK": 4096}, num_warps=8),
-        triton.Config({"BLOCK": 8192}, num_warps=8),
-    ]
+    return [triton.Config({"BLOCK": block}, num_warps=w) for block, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8))]
 
 
 @autotune(
@@ -65,17 +60,12 @@ def _sgd_momentum_kernel(
     one_minus_dampening,
     weight_decay,
     n_bucket,  # next power of two of n: autotune key only
-    HAS_WEIGHT_DECAY: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr,
-    FIRST_STEP: tl.constexpr,
-    NESTEROV: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     N_ALIGN: tl.constexpr,  # a power of two dividing n
     BLOCK: tl.constexpr,
 ):
-    n = assume_multiple(n, N_ALIGN)  # the mask changes only at multiples of N_ALIGN: vector loads
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    offs, mask = aligned_block(n, N_ALIGN, BLOCK)
     w = tl.load(param_ptr + offs, mask=mask, other=0.0)
     d = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:

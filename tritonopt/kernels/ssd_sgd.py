@@ -44,20 +44,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
 
 import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
-from tritonopt.kernels._alignment import alignment, assume_multiple
+from tritonopt.kernels._alignment import aligned_block, alignment
+
 
 def _ssd_sgd_configs():
-    return [
-        triton.Config({"BLOCK": 1024}, num_warps=4),
-        triton.Config({"BLOCK": 2048}, num_warps=4),
-        triton.Config({"BLOCK": 2048}, num_warps=8),
-        triton.Config({"BLOCK": 4096}, num_warps=8),
-    ]
+    return [triton.Config({"BLOCK": block}, num_warps=w) for block, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8))]
 
 
 @autotune(
@@ -86,16 +81,11 @@ def _ssd_sgd_step_kernel(
     sync_coef,
     shadow_scale,
     n_bucket,  # autotune key only
-    PULLED: tl.constexpr,
-    SHADOW: tl.constexpr,
-    SAVE_SYNC_MOM: tl.constexpr,
+    PULLED: tl.constexpr, SHADOW: tl.constexpr, SAVE_SYNC_MOM: tl.constexpr,
     N_ALIGN: tl.constexpr,  # a power of two dividing n
     BLOCK: tl.constexpr,
 ):
-    n = assume_multiple(n, N_ALIGN)  # the mask changes only at multiples of N_ALIGN: vector loads
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    offs, mask = aligned_block(n, N_ALIGN, BLOCK)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pre = tl.load(pre_ptr + offs, mask=mask, other=0.0)
     if SHADOW:
@@ -133,24 +123,11 @@ def _ssd_sgd_step_kernel(
 
 
 def ssd_sgd_step_triton(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    pre_weight: torch.Tensor,
-    shadow_weight: Optional[torch.Tensor],
-    shadow_momentum: Optional[torch.Tensor],
-    sync_momentum: Optional[torch.Tensor],
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    local_lr: float,
-    local_weight_decay: float,
-    glu_alpha: float,
-    glu_beta: float,
-    sync_coef: float,
-    shadow_scale: float,
-    pulled: bool,
+    param, grad, pre_weight, shadow_weight, shadow_momentum, sync_momentum,
+    lr, momentum, weight_decay, local_lr, local_weight_decay, glu_alpha, glu_beta, sync_coef, shadow_scale, pulled,
 ) -> torch.Tensor:
-    """Launch the kernel. Arguments must already be validated (see ``tritonopt.ops``)."""
+    """Launch the kernel. Arguments must already be validated (see ``tritonopt._ops.ssd_sgd``, whose
+    ``ssd_sgd_step`` documents them; here every one is positional, in this order)."""
     n = param.numel()
     count = torch.zeros((), dtype=torch.int32, device=param.device)
     if n == 0:
@@ -172,22 +149,8 @@ def ssd_sgd_step_triton(
 
 
 def ssd_sgd_step_reference(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    pre_weight: torch.Tensor,
-    shadow_weight: Optional[torch.Tensor],
-    shadow_momentum: Optional[torch.Tensor],
-    sync_momentum: Optional[torch.Tensor],
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    local_lr: float,
-    local_weight_decay: float,
-    glu_alpha: float,
-    glu_beta: float,
-    sync_coef: float,
-    shadow_scale: float,
-    pulled: bool,
+    param, grad, pre_weight, shadow_weight, shadow_momentum, sync_momentum,
+    lr, momentum, weight_decay, local_lr, local_weight_decay, glu_alpha, glu_beta, sync_coef, shadow_scale, pulled,
 ) -> torch.Tensor:
     """Plain-PyTorch SSD-SGD step; same contract as the kernel.
 
