@@ -7,16 +7,8 @@ from typing import Optional
 import torch
 
 from tritonopt._ops._registry import define_op
-from tritonopt._validation import (
-    FLOAT_DTYPES,
-    check_choice,
-    check_disjoint,
-    check_float,
-    check_int,
-    check_row_major,
-    check_same_device,
-    check_tensor,
-)
+from tritonopt._validation import (FLOAT_DTYPES, check_choice, check_disjoint, check_float, check_int,
+                                   check_row_major, check_same_device, check_tensor)
 from tritonopt.kernels import fosi_step as _kernels
 from tritonopt.kernels.fosi_step import BASES, MAX_RANK
 

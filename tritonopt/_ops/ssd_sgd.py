@@ -7,14 +7,8 @@ from typing import Optional
 import torch
 
 from tritonopt._ops._registry import define_op
-from tritonopt._validation import (
-    FLOAT_DTYPES,
-    check_bool,
-    check_disjoint,
-    check_float,
-    check_same_device,
-    check_tensor,
-)
+from tritonopt._validation import (FLOAT_DTYPES, check_bool, check_disjoint, check_float, check_same_device,
+                                   check_tensor)
 from tritonopt.kernels import ssd_sgd as _kernels
 
 __all__ = ["ssd_sgd_step"]
