@@ -1,0 +1,257 @@
+"""The checkpoints of a packed optimizer: ``state_dict``, its checks, ``load_state_dict``.
+
+:class:`PackedCheckpoints` is the part of :class:`~tritonopt.optim._packed.PackedOptimizer`
+that saves and loads: a checkpoint keeps every tensor's saved dtype (the base
+class would cast float state to the parameter's dtype), carries ``skipped_steps``
+and names the layout it was saved for (``param_layout``: each parameter's shape
+and dtype, in order, per group); a state dict is checked whole (layout,
+hyperparameters, counters, every entry's shape and dtype, see
+:meth:`PackedCheckpoints._checkpoint_spec`) before anything is loaded.
+
+Sharded optimizers: a ``state_dict`` shows the per-rank state as DTensors (so
+that ``torch.distributed.checkpoint`` saves every rank's part) and carries its
+layout and world size in each parameter group as well (``get_optimizer_state_dict``
+keeps only ``state`` and ``param_groups``). A checkpoint resumes on as many ranks
+as saved it, or on any number where the whole state is per coordinate
+(``RESHARDABLE``): ``torch.distributed.checkpoint`` reshards it exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence
+
+import torch
+
+from tritonopt.optim._checkpoints import (
+    LAYOUT_KEY,
+    SHARD_WORLD_KEY,
+    SKIPPED_KEY,
+    CheckpointSpec,
+    check_param_layout,
+    param_layout,
+)
+from tritonopt.optim._sharding import is_sharded, like_param, local_tensor, rank_stacked
+
+# Kept in every saved parameter group of a sharded optimizer too: torch.distributed.checkpoint's
+# get_optimizer_state_dict passes on only "state" and "param_groups".
+_GROUP_METADATA = (LAYOUT_KEY, SHARD_WORLD_KEY, SKIPPED_KEY)
+
+
+class PackedCheckpoints:
+    """Saving and loading for :class:`~tritonopt.optim._packed.PackedOptimizer`, which puts it before
+    ``torch.optim.Optimizer`` in its bases (see the module docstring).
+
+    A subclass says what a group's checkpoint must hold (:meth:`_checkpoint_spec`)
+    and, when it steps sharded parameters, which entries are laid out how.
+    """
+
+    # State entries shaped like the parameter's local part, and per-rank window entries (the same shape
+    # on every rank): a sharded state_dict shows them as DTensors laid out like the parameter, or stacked
+    # over the ranks along their first dimension.
+    LIKE_PARAM_ENTRIES: frozenset = frozenset()
+    RANK_STACKED_ENTRIES: frozenset = frozenset()
+    # True where a sharded checkpoint may resume on another number of ranks: the whole state is per coordinate
+    # and laid out like the parameter (LIKE_PARAM_ENTRIES) or the same on every rank (counters), so what
+    # torch.distributed.checkpoint reshards onto this optimizer's parameters is each coordinate's saved state.
+    RESHARDABLE: bool = False
+
+    def _checkpoint_spec(self, index: int, group: dict, params: Sequence[torch.Tensor]) -> Optional[CheckpointSpec]:
+        """What a checkpoint of group ``index`` (``group``: its saved hyperparameters) must hold; None checks nothing."""
+        return None
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["skipped_steps"] = self.skipped_steps
+        state[LAYOUT_KEY] = param_layout(self.param_groups)
+        if self._shards is not None:
+            state[SHARD_WORLD_KEY] = self._shards.spec.world
+            state["state"] = self._sharded_state(state["state"])
+            for saved, layout in zip(state["param_groups"], state[LAYOUT_KEY]):
+                saved.update({LAYOUT_KEY: layout, SHARD_WORLD_KEY: self._shards.spec.world,
+                              SKIPPED_KEY: self.skipped_steps})
+        return state
+
+    def _sharded_state(self, saved_state: dict) -> dict:
+        """The per-parameter state with each rank's tensors as DTensors (new dicts; the live state is not touched)."""
+        params = list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
+        spec = self._shards.spec
+        shown = {}
+        for key, entry in saved_state.items():
+            p = params[key]
+            entry = dict(entry)
+            for name, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if name in self.LIKE_PARAM_ENTRIES and value.shape == local_tensor(p).shape:
+                    entry[name] = like_param(value, p)
+                elif name in self.RANK_STACKED_ENTRIES:
+                    entry[name] = rank_stacked(value, spec)
+            shown[key] = entry
+        return shown
+
+    def _local_state_dict(self, state_dict: dict) -> dict:
+        """``state_dict`` with DTensor entries as this rank's local tensors and the layout, world size and
+        skipped steps at the top (from its groups when only those carry them); the groups lose those keys.
+
+        A DTensor saved on a mesh of another size than this optimizer's is refused.
+        """
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
+            state_dict.get("param_groups"), (list, tuple)
+        ):
+            return state_dict  # check_state_dict names the problem
+        out = dict(state_dict)
+        groups = []
+        for saved in state_dict["param_groups"]:
+            if isinstance(saved, dict) and any(key in saved for key in _GROUP_METADATA):
+                saved = dict(saved)
+                metadata = {key: saved.pop(key) for key in _GROUP_METADATA if key in saved}
+                if LAYOUT_KEY not in state_dict:
+                    out.setdefault(LAYOUT_KEY, []).append(metadata.get(LAYOUT_KEY))
+                for key in (SHARD_WORLD_KEY, SKIPPED_KEY):
+                    if key in metadata and key not in state_dict:
+                        out.setdefault(key, metadata[key])
+            groups.append(saved)
+        out["param_groups"] = groups
+        world = self._shards.spec.world if self._shards is not None else None
+        local_state = {}
+        for key, entry in state_dict["state"].items():
+            if isinstance(entry, dict) and any(is_sharded(v) for v in entry.values()):
+                entry = dict(entry)
+                for name, value in entry.items():
+                    if is_sharded(value):
+                        if value.device_mesh.size() != world:
+                            reshard = (" (torch.distributed.checkpoint reshards it: dcp.load into this "
+                                       "optimizer's get_optimizer_state_dict, then set_optimizer_state_dict)"
+                                       if self.RESHARDABLE else "")
+                            raise ValueError(
+                                f"saved state {name!r} is sharded over {value.device_mesh.size()} ranks, and this "
+                                f"optimizer's parameters over {world or 1}; {type(self).__name__} keeps each "
+                                "rank's part of its state and cannot reshard it: resume on as many ranks"
+                                + reshard
+                            )
+                        entry[name] = value.to_local()
+            local_state[key] = entry
+        out["state"] = local_state
+        return out
+
+    def check_state_dict(self, state_dict) -> None:
+        """Raise ``ValueError`` naming the first problem unless :meth:`load_state_dict` can load ``state_dict``.
+
+        Checks, without modifying anything: the parameter layout it was saved for
+        (``param_layout``), every group's hyperparameters, ``skipped_steps``, that
+        the state belongs to listed parameters, and every entry's names, shapes,
+        dtypes, counters and finiteness (:meth:`_checkpoint_spec`).
+        """
+        as_given = state_dict
+        state_dict = self._local_state_dict(state_dict)
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
+            state_dict.get("param_groups"), (list, tuple)
+        ):
+            raise ValueError("state_dict must be a dict with 'state' (a dict) and 'param_groups' (a list), "
+                             "as state_dict() returns")
+        self._check_shard_world(state_dict.get(SHARD_WORLD_KEY))
+        saved_state, saved_groups = state_dict["state"], state_dict["param_groups"]
+        if not all(isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) for g in saved_groups):
+            raise ValueError("each of the state dict's param_groups must be a dict with a 'params' list")
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(saved["params"]) != len(group["params"]) for saved, group in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError("the state dict's parameter groups do not match the optimizer's (count or sizes)")
+        saved_ids = list(itertools.chain.from_iterable(g["params"] for g in saved_groups))
+        if len(set(saved_ids)) != len(saved_ids):
+            raise ValueError("the state dict's param_groups list a parameter id more than once")
+        strays = sorted(set(saved_state) - set(saved_ids), key=str)
+        if strays:
+            raise ValueError(f"the state dict holds state for parameter ids {strays} that no parameter group lists")
+        check_param_layout(state_dict.get(LAYOUT_KEY), self.param_groups)
+        self._check_resharded(as_given["state"], saved_groups, state_dict.get(SHARD_WORLD_KEY))
+        skipped = state_dict.get("skipped_steps", 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"skipped_steps must be an int >= 0, got {skipped!r}")
+        hypers = [{**self.defaults, **{k: v for k, v in saved.items() if k != "params"}} for saved in saved_groups]
+        for index, hyper in enumerate(hypers):
+            try:
+                self._check_group(hyper)
+            except TypeError as error:  # a checkpoint's field of the wrong kind is a bad value of the state dict
+                raise ValueError(f"param_groups[{index}]: {error}") from error
+        self._check_group_set(hypers)
+        for index, (saved, group, hyper) in enumerate(zip(saved_groups, self.param_groups, hypers)):
+            spec = self._checkpoint_spec(index, hyper, group["params"])
+            if spec is not None:
+                spec.check(type(self).__name__, [local_tensor(p) for p in group["params"]],
+                           [saved_state.get(i) for i in saved["params"]])
+
+    def _check_shard_world(self, saved) -> None:
+        """A checkpoint resumes on as many ranks as saved it (None: unsharded), else ``ValueError``; a
+        ``RESHARDABLE`` optimizer's on any number, its entries checked by :meth:`_check_resharded`."""
+        world = self._shards.spec.world if self._shards is not None else None
+        if saved == world:
+            return
+        if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 1):
+            raise ValueError(f"{SHARD_WORLD_KEY} must be an int >= 1, got {saved!r}")
+        if self.RESHARDABLE:
+            return
+        saved_text, mine_text = self._world_texts(saved)
+        raise ValueError(
+            f"{SHARD_WORLD_KEY}: the state dict was saved for {saved_text}, this optimizer has {mine_text}; "
+            f"{type(self).__name__} keeps each rank's part of its state (its shards' columns of the window, "
+            "its blocks) and cannot reshard it: resume with the same number of ranks"
+        )
+
+    def _world_texts(self, saved) -> tuple[str, str]:
+        world = self._shards.spec.world if self._shards is not None else None
+        return (f"sharded over {saved} ranks" if saved is not None else "unsharded parameters",
+                f"sharded over {world} ranks" if world is not None else "unsharded parameters")
+
+    def _check_resharded(self, saved_state: dict, saved_groups: Sequence[dict], saved_world) -> None:
+        """A checkpoint saved on another number of ranks holds every per-coordinate entry laid out for this
+        optimizer's parameters (``ValueError`` otherwise): a DTensor laid out like its parameter (what
+        ``torch.distributed.checkpoint`` loads into this optimizer's ``get_optimizer_state_dict``), or a
+        tensor of the parameter's whole shape. A rank's part saved on another count of ranks is refused:
+        nothing tells which of the parameter's rows it holds.
+        """
+        world = self._shards.spec.world if self._shards is not None else None
+        if saved_world == world:
+            return
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in saved_groups)
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            entry = saved_state.get(saved_id)
+            if not isinstance(entry, dict):
+                continue  # CheckpointSpec names the problem
+            for name, value in entry.items():
+                if name not in self.LIKE_PARAM_ENTRIES or not isinstance(value, torch.Tensor):
+                    continue
+                if is_sharded(value):
+                    laid_out_here = value.shape == p.shape and value.placements == getattr(p, "placements", None)
+                else:
+                    laid_out_here = value.shape == p.shape
+                if not laid_out_here:
+                    saved_text, mine_text = self._world_texts(saved_world)
+                    raise ValueError(
+                        f"{SHARD_WORLD_KEY}: the state dict was saved for {saved_text}, this optimizer has "
+                        f"{mine_text}, and its state {name!r} of shape {tuple(value.shape)} is not laid out like "
+                        f"its parameter of shape {tuple(p.shape)}: a rank's part saved on another number of ranks "
+                        "cannot be resharded; load a torch.distributed.checkpoint instead (dcp.load into this "
+                        "optimizer's get_optimizer_state_dict, then set_optimizer_state_dict)"
+                    )
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.check_state_dict(state_dict)
+        state_dict = self._local_state_dict(state_dict)
+        skipped = state_dict.pop("skipped_steps", 0)
+        state_dict.pop(LAYOUT_KEY)
+        state_dict.pop(SHARD_WORLD_KEY, None)
+        saved_state = state_dict["state"]
+        saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        super().load_state_dict(state_dict)
+        # The base class casts float state to the parameter's dtype; keep the saved dtypes.
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            for name, value in saved_state.get(saved_id, {}).items():
+                if isinstance(value, torch.Tensor):
+                    device = value.device if name == "step" else p.device
+                    self.state[p][name] = value.to(device=device, copy=True)
+        self.skipped_steps = int(skipped)
+        self._packed.clear()
