@@ -109,20 +109,20 @@ def _fosi_coefficients_kernel(
 
 
 @jit
-def _basis_tile(basis_ptr, cols, col_bound, r, stride_v, BLOCK_R: tl.constexpr):
-    """``(tile, rows, in_rows, in_cols)``: V's ``[BLOCK_R, len(cols)]`` tile at ``cols``, zero outside
-    ``r`` rows and ``col_bound`` columns, with its row indices and both masks."""
+def _tile_lanes(cols, col_bound, r, BLOCK_R: tl.constexpr):
+    """``(in_cols, rows, in_rows)``: the masks of a ``[BLOCK_R, len(cols)]`` tile of V at ``cols``
+    (``r`` rows, columns below ``col_bound``) and its row indices."""
     in_cols = cols < col_bound
     rows = tl.arange(0, BLOCK_R)
-    in_rows = rows < r
-    return load_tile(basis_ptr, rows.to(tl.int64), in_rows, cols, in_cols, stride_v), rows, in_rows, in_cols
+    return in_cols, rows, rows < r
 
 
 @jit
 def _coefficients_tile(basis_ptr, vec_ptr, partial_ptr, pid, cols, col_bound, r, stride_v,
                        BLOCK_R: tl.constexpr):
-    tile, rows, in_rows, in_cols = _basis_tile(basis_ptr, cols, col_bound, r, stride_v, BLOCK_R)
+    in_cols, rows, in_rows = _tile_lanes(cols, col_bound, r, BLOCK_R)
     x = tl.load(vec_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
+    tile = load_tile(basis_ptr, rows.to(tl.int64), in_rows, cols, in_cols, stride_v)
     tl.store(partial_ptr + pid * r + rows, tl.sum(tile * x[None, :], axis=1), mask=in_rows)
 
 
@@ -174,7 +174,8 @@ def _fosi_base_kernel(
 def _base_tile(param_ptr, grad_ptr, basis_ptr, coef_ptr, newton_ptr, state_a_ptr, state_b_ptr, partial_ptr,
                pid, cols, col_bound, r, stride_v, lr, beta1, beta2, one_minus_beta1, one_minus_beta2,
                step_size, bc2_sqrt, eps, base_scale, BASE: tl.constexpr, BLOCK_R: tl.constexpr):
-    tile, rows, in_rows, in_cols = _basis_tile(basis_ptr, cols, col_bound, r, stride_v, BLOCK_R)
+    in_cols, rows, in_rows = _tile_lanes(cols, col_bound, r, BLOCK_R)
+    tile = load_tile(basis_ptr, rows.to(tl.int64), in_rows, cols, in_cols, stride_v)
     coef = tl.load(coef_ptr + rows, mask=in_rows, other=0.0)
     newton = tl.load(newton_ptr + rows, mask=in_rows, other=0.0)
     g = tl.load(grad_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
@@ -226,7 +227,8 @@ def _fosi_project_out_kernel(
 @jit
 def _project_out_tile(param_ptr, basis_ptr, coef_ptr, cols, col_bound, r, stride_v, base_scale,
                       BLOCK_R: tl.constexpr):
-    tile, rows, in_rows, in_cols = _basis_tile(basis_ptr, cols, col_bound, r, stride_v, BLOCK_R)
+    in_cols, rows, in_rows = _tile_lanes(cols, col_bound, r, BLOCK_R)
+    tile = load_tile(basis_ptr, rows.to(tl.int64), in_rows, cols, in_cols, stride_v)
     coef = tl.load(coef_ptr + rows, mask=in_rows, other=0.0)
     w = tl.load(param_ptr + cols, mask=in_cols, other=0.0)
     tl.store(param_ptr + cols, w - base_scale * tl.sum(tile * coef[:, None], axis=0), mask=in_cols)

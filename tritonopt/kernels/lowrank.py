@@ -74,12 +74,10 @@ def _device_guard(t: torch.Tensor):
 
 
 @jit
-def _reduction_segment(segment_len, length):
-    """``(segment, start, stop)``: the range of the reduction dimension (``length`` long) that this
-    program's segment (grid axis 1) sums."""
-    segment = tl.program_id(1)
+def _segment_range(segment, segment_len, length):
+    """``(start, stop)``: the range of the reduction dimension (``length`` long) that ``segment`` sums."""
     start = segment * segment_len
-    return segment, start, tl.minimum(start + segment_len, length)
+    return start, tl.minimum(start + segment_len, length)
 
 
 # The sums over a tile run in a layout that depends on num_warps: every kernel
@@ -98,11 +96,12 @@ def _accumulate_project_kernel(
 ):
     p = assume_multiple(p, P_ALIGN)  # rows start P_ALIGN-aligned: vector loads
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    segment = tl.program_id(1)
     row_ok = rows < n
     ranks = tl.arange(0, R)
     rank_ok = ranks < r
     acc = tl.zeros([BLOCK_N, R], dtype=tl.float32)
-    segment, start, stop = _reduction_segment(segment_cols, p)
+    start, stop = _segment_range(segment, segment_cols, p)
     for c0 in range(start, stop, BLOCK_P):
         cols = c0 + tl.arange(0, BLOCK_P)
         col_ok = cols < p
@@ -130,11 +129,12 @@ def _back_project_kernel(
 ):
     p = assume_multiple(p, P_ALIGN)  # rows start P_ALIGN-aligned: vector loads
     cols = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    segment = tl.program_id(1)
     col_ok = cols < p
     ranks = tl.arange(0, R)
     rank_ok = ranks < r
     acc = tl.zeros([BLOCK_P, R], dtype=tl.float32)
-    segment, start, stop = _reduction_segment(segment_rows, n)
+    start, stop = _segment_range(segment, segment_rows, n)
     for r0 in range(start, stop, BLOCK_N):
         rows = r0 + tl.arange(0, BLOCK_N)
         row_ok = rows < n
