@@ -445,6 +445,38 @@ def test_kl_clip_scale_matches_float64_and_survives_products_beyond_float32():
     assert F.kfac_inner_products([nan, torch.ones(1, 1)], [torch.ones(1, 1)] * 2).isfinite().tolist() == [False, True]
 
 
+def test_kl_clip_scale_on_the_host_is_the_device_one_within_its_last_bits():
+    # The optimizer reads the inner products' sum in its one host sync and computes nu there.
+    # torch's CPU sqrt may miss the correctly rounded root by one unit in the last place, which
+    # the division by lr can carry into a second; with each side's own rounding: 3 units at most.
+    gen = torch.Generator().manual_seed(11)
+    sums = torch.cat([torch.randn(400, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(
+        -40, 40, (400,), generator=gen), torch.tensor([0.0, -0.0, 1e-300, -1e300])])
+    for lr, kl_clip in ((0.1, 1e-3), (3.0, 1e-6), (1e-4, 10.0)):
+        for s in sums.tolist():
+            device = F.kfac_kl_clip_scale(torch.tensor([s], dtype=torch.float64), lr=lr, kl_clip=kl_clip).item()
+            host = F.kl_clip_scale_of_sum(s, lr=lr, kl_clip=kl_clip)
+            assert abs(host - device) <= 3 * math.ulp(device), (s, lr, kl_clip, host, device)
+    assert F.kl_clip_scale_of_sum(0.0, lr=0.5, kl_clip=1e-3) == 1.0
+    assert F.kl_clip_scale_of_sum(5.0, lr=0.0, kl_clip=1e-3) == 1.0
+    assert F.kl_clip_scale_of_sum(5.0, lr=0.5, kl_clip=None) is None
+    assert F.kl_clip_scale_of_sum(-4.0, lr=0.5, kl_clip=1.0) == 1.0  # sqrt(1/4)/0.5 = 1, clamped at 1
+
+
+def test_an_unclipped_step_writes_the_preconditioned_gradient_bit_for_bit():
+    # nu = 1: the gradients are P itself, not P rounded through float64.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    kfac = KFACPreconditioner(model, kl_clip=1e30, damping=0.1)
+    torch.nn.functional.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+    grads = {i: layer.grad_matrix() for i, layer in enumerate(kfac.layers)}
+    assert kfac.step()
+    assert kfac.last_kl_scale.item() == 1.0
+    for i, layer in enumerate(kfac.layers):
+        expected = F.kfac_precondition(grads[i], layer.eigen, damping=0.1)
+        assert torch.equal(layer.grad_matrix(), expected)
+
+
 def test_running_average_leaves_the_old_factor_alone():
     old = torch.eye(3) * 2
     stat = torch.full((3, 3), 4.0)

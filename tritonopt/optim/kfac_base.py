@@ -24,6 +24,7 @@ checks of what they captured are in ``_kfac_capture.py``, the checkpoints in
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable, Iterable, Optional, Union
 
@@ -57,7 +58,7 @@ from tritonopt.optim.kfac_functional import (
     kfac_eigendecompose,
     kfac_inner_products,
     kfac_inverses,
-    kfac_kl_clip_scale,
+    kl_clip_scale_of_sum,
     kfac_running_average,
 )
 
@@ -231,6 +232,17 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         of ``preconditioned`` and ``grads``, in ``grads``' order) stand for both:
         each is finite exactly when its layer's gradient and ``P`` are.
         """
+        return self.check_and_read(grads, statistics, preconditioned, inner_products)[0]
+
+    def check_and_read(
+        self,
+        grads: dict[int, torch.Tensor],
+        statistics: Iterable[int] = (),
+        preconditioned: Optional[dict[int, torch.Tensor]] = None,
+        inner_products: Optional[torch.Tensor] = None,
+        read: Optional[torch.Tensor] = None,
+    ) -> tuple[Optional[str], list[float]]:
+        """:meth:`nonfinite_problem`, and the values of the float64 vector ``read`` in the same host sync."""
         statistics = list(statistics)
         order = list(grads)
         parts = []
@@ -243,11 +255,16 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         if statistics:
             parts.append(gram_finiteness_probes([t for i in statistics for t in (self.layers[i].a_batch,
                                                                                  self.layers[i].g_batch)]))
+        n_read = 0 if read is None else read.numel()
+        if read is not None:
+            parts.append(read.to(torch.float64))
         if not parts:
-            return None
-        flags = torch.cat(parts).isfinite().tolist()
+            return None, []
+        values = torch.cat(parts).tolist()
+        readings = values[len(values) - n_read:]
+        flags = [math.isfinite(v) for v in values[: len(values) - n_read]]
         if all(flags):
-            return None
+            return None, readings
         layer_flags = flags[: len(order)]
         if inner_products is None and preconditioned:
             layer_flags = [g and p for g, p in zip(layer_flags, flags[len(order) : 2 * len(order)])]
@@ -255,12 +272,13 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         suspects = [i for i, ok in zip(order, layer_flags) if not ok]
         bad_grads = [self.layers[i].name for i, ok in zip(suspects, all_finite([grads[i] for i in suspects])) if not ok]
         if bad_grads:
-            return f"the gradients of layers {bad_grads} hold NaN or inf"
+            return f"the gradients of layers {bad_grads} hold NaN or inf", readings
         bad_stats = [self.layers[i].name for k, i in enumerate(statistics) if not (stat_flags[2 * k] and stat_flags[2 * k + 1])]
         if bad_stats:
-            return f"the factor statistics of layers {bad_stats} hold NaN or inf"
+            return f"the factor statistics of layers {bad_stats} hold NaN or inf", readings
         overflow = [self.layers[i].name for i in suspects]
-        return f"the preconditioned gradients of layers {overflow} overflow float32 (gradients too large to precondition)"
+        return (f"the preconditioned gradients of layers {overflow} overflow float32 (gradients too large to "
+                "precondition)", readings)
 
     def refuse_step(self, problem: str) -> bool:
         """Apply ``on_nonfinite`` to a step that must not happen (nothing has been modified); False."""
@@ -396,24 +414,30 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         everything as it was.
         """
         order = list(grads)
-        inner_products = None
+        inner_products = total = None
+        wide = {}
         if hyper["kl_clip"] is not None and order:
-            inner_products = kfac_inner_products([preconditioned[i] for i in order], [grads[i] for i in order])
-        problem = self.nonfinite_problem(grads, statistics, preconditioned, inner_products)
+            # P in float64 serves twice: in <P, grad> (float32 products are exact there, so the
+            # sum cannot overflow) and, when the clip scales, in nu P rounded once to float32.
+            wide = {i: preconditioned[i].to(torch.float64) for i in order}
+            inner_products = kfac_inner_products([wide[i] for i in order], [grads[i] for i in order])
+            total = inner_products.sum().reshape(1)
+        problem, readings = self.check_and_read(grads, statistics, preconditioned, inner_products, read=total)
         if problem is not None:
             return self.refuse_step(problem)
         kl_scale = None
-        if inner_products is not None:
-            kl_scale = kfac_kl_clip_scale(inner_products, lr=hyper["lr"], kl_clip=hyper["kl_clip"])
+        if total is not None:
+            kl_scale = kl_clip_scale_of_sum(readings[0], lr=hyper["lr"], kl_clip=hyper["kl_clip"])
         for i, (a, g) in folded.items():
             self._store_factors(self.layers[i], a, g)
         for i, data in eigen.items():
             self.layers[i].eigen = data
         for i in order:
-            p = preconditioned[i]
-            # nu may lie below float32's normal range when P is huge: scale in float64, round once.
-            self.layers[i].write_grad(p if kl_scale is None else p.to(torch.float64) * kl_scale)
-        self.last_kl_scale = kl_scale
+            # nu may lie below float32's normal range when P is huge: scale in float64, round once
+            # (nu = 1 leaves P as it is, bit for bit).
+            unscaled = kl_scale is None or kl_scale == 1.0
+            self.layers[i].write_grad(preconditioned[i] if unscaled else wide[i] * kl_scale)
+        self.last_kl_scale = None if kl_scale is None else torch.tensor(kl_scale, dtype=torch.float64)
         self.steps += 1
         return True
 

@@ -16,6 +16,7 @@ For a layer with A factor ``[a, a]`` and G factor ``[g, g]`` (see
 :func:`kfac_precondition`         ``P`` for one layer (Eq. 15-17, or Eq. 14)
 :func:`kfac_inner_products`       ``<P_l, grad_l>`` in float64, per layer
 :func:`kfac_kl_clip_scale`        the KL-clip factor ``nu`` (float64) from them
+:func:`kl_clip_scale_of_sum`      the same ``nu`` on the host, from their sum read there
 :func:`all_finite`                many finiteness checks, one host synchronisation
 :func:`factor_buffer`             a ``[d, d]`` factor in the layout below
 ===============================  ==================================================
@@ -44,6 +45,7 @@ inverse            ``a_inv``, ``g_inv``                            ``[a,a]``, ``
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -67,6 +69,7 @@ LAYER_FUNCTIONS = (
     "kfac_kl_clip_scale",
     "kfac_precondition",
     "kfac_running_average",
+    "kl_clip_scale_of_sum",
 )
 __all__ = sorted([
     "COMPUTE_METHODS",
@@ -364,3 +367,21 @@ def kfac_kl_clip_scale(inner_products: torch.Tensor, *, lr: float, kl_clip: Opti
     if lr == 0:
         return torch.ones_like(inner)
     return torch.where(inner == 0, torch.ones_like(inner), torch.clamp(torch.sqrt(kl_clip / inner) / lr, max=1.0))
+
+
+def kl_clip_scale_of_sum(inner_sum: float, *, lr: float, kl_clip: Optional[float]) -> Optional[float]:
+    """:func:`kfac_kl_clip_scale` for a step that reads ``sum_l <P_l, grad_l>`` on the host anyway.
+
+    The same ``nu = min(1, sqrt(kl_clip / |inner_sum|) / lr)`` (1 when the sum or ``lr`` is 0,
+    None without ``kl_clip``) in IEEE float64 arithmetic, without the half-dozen device
+    operations on one scalar. Python's ``sqrt`` is correctly rounded, as CUDA's is; torch's
+    vectorised CPU ``sqrt`` may miss by one unit in the last place, so the two ``nu`` can differ
+    by a few units of float64's last place, which moves ``nu P`` rounded to float32 only where
+    ``nu P`` lies within about ``2**-50`` (relative) of a float32 rounding boundary.
+    """
+    if kl_clip is None:
+        return None
+    inner = abs(inner_sum)
+    if lr == 0 or inner == 0:
+        return 1.0
+    return min(math.sqrt(kl_clip / inner) / lr, 1.0)
