@@ -4,9 +4,8 @@ FOSI's three passes and Lanczos's two Gram-Schmidt kernels give each program
 ``BLOCK_N`` columns of a basis whose rows start ``stride`` elements apart
 (:func:`column_program`), and those kernels and the low-rank power iteration
 load and store masked 2-D tiles with one pattern (:func:`load_tile`,
-:func:`store_tile`). Triton inlines
-these helpers, so a caller compiles to the instructions it would write itself
-(a few independent ones may come in another order).
+:func:`store_tile`). Triton inlines these helpers, so a caller compiles to the
+instructions it would write itself (a few independent ones may come in another order).
 """
 
 from __future__ import annotations
