@@ -75,3 +75,43 @@ def test_the_dispatcher_schema_declares_no_defaults_and_gets_every_argument():
         glu_alpha=1.0, glu_beta=0.0, sync_coef=1.0)
     assert len(full) == len(ops.ssd_sgd_step.custom_op._opoverload._schema.arguments)
     assert full[-5:-2] == (None, None, None) and full[-2:] == (False, 1.0)
+
+
+def test_a_prepared_op_completes_calls_as_the_op_does_and_skips_its_contract():
+    checked = []
+
+    @define_op("registry_prepared_probe", composite=True)
+    def prepared_probe(x: torch.Tensor, scale: float, *, power: int = 1) -> torch.Tensor:
+        """A probe op whose contract records that it ran."""
+        checked.append(True)
+
+    prepared_probe.register_backends(reference=record)
+    call = prepared_probe.prepared(X.device)
+    received.clear()
+    call(X, 2, power=3)
+    call(X, scale=1)
+    assert received == [((2.0,), {"power": 3}), ((1.0,), {"power": 1})]
+    assert all(type(r[0][0]) is float for r in received)
+    assert checked == []  # the caller made its arguments: no contract per call
+    prepared_probe(X, 2)
+    assert checked == [True]
+
+
+def test_a_prepared_op_is_the_op_itself_where_calls_must_reach_the_dispatcher():
+    from tritonopt import ops
+
+    assert ops.eigenbasis_precondition_prediv.prepared(torch.device("meta")) is ops.eigenbasis_precondition_prediv
+
+    seen = []
+
+    def traced(grad, qa, qg, inv):
+        seen.append(ops.eigenbasis_precondition_prediv.prepared(grad.device))
+        return ops.eigenbasis_precondition_prediv(grad, qa, qg, inv)
+
+    args = (torch.randn(3, 4), torch.eye(4), torch.eye(3), torch.rand(3, 4))
+    compiled = torch.compile(traced, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), traced(*args))
+    assert seen[0] is ops.eigenbasis_precondition_prediv  # while tracing
+    assert seen[1] is not ops.eigenbasis_precondition_prediv  # eagerly
+    eager = seen[1](*args)
+    assert torch.equal(eager, ops.eigenbasis_precondition_prediv(*args))

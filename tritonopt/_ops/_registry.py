@@ -248,6 +248,29 @@ class Op:
             return self._run(*args, **kwargs)
         return self._through_dispatcher(args, kwargs)
 
+    def prepared(self, device: torch.device) -> Callable:
+        """The op for a caller that makes every argument itself and calls it many times.
+
+        An optimizer's step calls an op once per layer on buffers it built and checked when it
+        built them. Here the backend for ``device`` is chosen once, and each call skips the
+        argument contract, the dispatcher and the NVTX range of its own (the caller's range
+        covers the loop): about 20 us per call on a CPU, a tenth of a K-FAC step at ten small
+        layers. Defaults are filled in and ints made floats as for any call. While
+        ``torch.compile`` traces, under a dispatch mode, or on the meta device, this is the op
+        itself.
+        """
+        if self.custom_op is not None and (
+            torch.compiler.is_compiling() or _dispatch_mode_active() or device.type == "meta"
+        ):
+            return self
+        implementation = self._backends[select_backend(device, cuda_default=self.cuda_default)]
+
+        def call(*args, **kwargs):
+            args, kwargs = self._complete(self.signature, args, kwargs)
+            return implementation(*args, **kwargs)
+
+        return call
+
     def __repr__(self) -> str:
         return f"<tritonopt op {self.name}{self.signature}>"
 

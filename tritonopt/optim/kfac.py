@@ -63,7 +63,7 @@ from tritonopt._validation import check_bool
 from tritonopt.optim._kfac_layers import KFACLayer, UnsupportedLayerError
 from tritonopt.optim._sharding import KFAC_SHARDING_REFUSAL, refuse_sharded
 from tritonopt.optim.kfac_base import BaseKFACPreconditioner
-from tritonopt.optim.kfac_functional import kfac_precondition
+from tritonopt.optim.kfac_functional import kfac_precondition_layers
 
 __all__ = ["BaseKFACPreconditioner", "KFACLayer", "KFACPreconditioner", "UnsupportedLayerError"]
 
@@ -135,7 +135,5 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         return self.eigen_update(range(len(self.layers)), folded, damping)
 
     def _precondition(self, grads: dict, eigen: dict, damping: float) -> dict:
-        return {
-            i: kfac_precondition(grad, eigen.get(i, self.layers[i].eigen), damping=damping, precision=self.precision)
-            for i, grad in grads.items()
-        }
+        return kfac_precondition_layers(grads, {i: eigen.get(i, self.layers[i].eigen) for i in grads},
+                                        damping=damping, precision=self.precision)

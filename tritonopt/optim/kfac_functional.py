@@ -14,6 +14,7 @@ For a layer with A factor ``[a, a]`` and G factor ``[g, g]`` (see
 :func:`kfac_inverses`             ``(F + damping I)^-1`` for the inverse method (Eq. 12-14)
 :func:`kfac_eigen_data`           what a gradient worker keeps (prediv: sec. 4.4)
 :func:`kfac_precondition`         ``P`` for one layer (Eq. 15-17, or Eq. 14)
+:func:`kfac_precondition_layers`  the same for many layers whose buffers the caller made
 :func:`kfac_inner_products`       ``<P_l, grad_l>`` in float64, per layer
 :func:`kfac_kl_clip_scale`        the KL-clip factor ``nu`` (float64) from them
 :func:`kl_clip_scale_of_sum`      the same ``nu`` on the host, from their sum read there
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -68,6 +69,7 @@ LAYER_FUNCTIONS = (
     "kfac_inverses",
     "kfac_kl_clip_scale",
     "kfac_precondition",
+    "kfac_precondition_layers",
     "kfac_running_average",
     "kl_clip_scale_of_sum",
 )
@@ -327,16 +329,39 @@ def kfac_precondition(
 
     Eigen data in a narrower dtype are read in float32.
     """
+    return _precondition(grad, eigen, damping, precision, eigenbasis_precondition_prediv, eigenbasis_precondition)
+
+
+def kfac_precondition_layers(
+    grads: Mapping[int, torch.Tensor],
+    eigen: Mapping[int, dict[str, torch.Tensor]],
+    *,
+    damping: float,
+    precision: Optional[str] = None,
+) -> dict[int, torch.Tensor]:
+    """:func:`kfac_precondition` of every layer ``i`` of ``grads`` with ``eigen[i]``, bit for bit.
+
+    For a caller whose tensors are its own: float32 ``[g, a]`` gradients and the eigen data of
+    :func:`kfac_eigen_data`, all on one device. The preconditioning ops run prepared
+    (:meth:`~tritonopt._ops._registry.Op.prepared`): their backend is chosen once and their
+    argument checks are skipped, which an optimizer's step over many small layers notices.
+    """
+    if not grads:
+        return {}
+    device = next(iter(grads.values())).device
+    prediv_op, eigen_op = eigenbasis_precondition_prediv.prepared(device), eigenbasis_precondition.prepared(device)
+    return {i: _precondition(grad, eigen[i], damping, precision, prediv_op, eigen_op) for i, grad in grads.items()}
+
+
+def _precondition(grad, eigen, damping, precision, prediv_op, eigen_op) -> torch.Tensor:
     if not eigen:
         return grad
     if "a_inv" in eigen:
         with _float32_products(grad.device):
             return eigen["g_inv"].to(torch.float32) @ grad @ eigen["a_inv"].to(torch.float32)
     if "inv_denominator" in eigen:
-        return eigenbasis_precondition_prediv(grad, eigen["qa"], eigen["qg"], eigen["inv_denominator"],
-                                              **_precision(precision))
-    return eigenbasis_precondition(grad, eigen["qa"], eigen["da"], eigen["qg"], eigen["dg"], damping,
-                                   **_precision(precision))
+        return prediv_op(grad, eigen["qa"], eigen["qg"], eigen["inv_denominator"], **_precision(precision))
+    return eigen_op(grad, eigen["qa"], eigen["da"], eigen["qg"], eigen["dg"], damping, **_precision(precision))
 
 
 def kfac_inner_products(preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
