@@ -225,24 +225,15 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         statistics: Iterable[int] = (),
         preconditioned: Optional[dict[int, torch.Tensor]] = None,
         inner_products: Optional[torch.Tensor] = None,
-    ) -> Optional[str]:
-        """What is not finite among these (one host sync), or None.
-
-        ``inner_products`` (:func:`~tritonopt.optim.kfac_functional.kfac_inner_products`
-        of ``preconditioned`` and ``grads``, in ``grads``' order) stand for both:
-        each is finite exactly when its layer's gradient and ``P`` are.
-        """
-        return self.check_and_read(grads, statistics, preconditioned, inner_products)[0]
-
-    def check_and_read(
-        self,
-        grads: dict[int, torch.Tensor],
-        statistics: Iterable[int] = (),
-        preconditioned: Optional[dict[int, torch.Tensor]] = None,
-        inner_products: Optional[torch.Tensor] = None,
         read: Optional[torch.Tensor] = None,
     ) -> tuple[Optional[str], list[float]]:
-        """:meth:`nonfinite_problem`, and the values of the float64 vector ``read`` in the same host sync."""
+        """What is not finite among these, or None; and the values of the vector ``read``.
+
+        One host sync for both. ``inner_products``
+        (:func:`~tritonopt.optim.kfac_functional.kfac_inner_products` of ``preconditioned``
+        and ``grads``, in ``grads``' order) stand for both: each is finite exactly when its
+        layer's gradient and ``P`` are.
+        """
         statistics = list(statistics)
         order = list(grads)
         parts = []
@@ -382,7 +373,7 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         """
         eigen_step = self.is_eigen_step()
         if eigen_step:  # decompositions are costly: do not start them on non-finite input
-            problem = self.nonfinite_problem(grads, statistics)
+            problem, _ = self.nonfinite_problem(grads, statistics)
             if problem is not None:
                 return self.refuse_step(problem)
         with nvtx_range(f"tritonopt/{self.algorithm}/factor_fold"):
@@ -422,7 +413,7 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
             wide = {i: preconditioned[i].to(torch.float64) for i in order}
             inner_products = kfac_inner_products([wide[i] for i in order], [grads[i] for i in order])
             total = inner_products.sum().reshape(1)
-        problem, readings = self.check_and_read(grads, statistics, preconditioned, inner_products, read=total)
+        problem, readings = self.nonfinite_problem(grads, statistics, preconditioned, inner_products, read=total)
         if problem is not None:
             return self.refuse_step(problem)
         kl_scale = None
