@@ -226,7 +226,7 @@ def kfac_running_average(
 
 
 def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomposition]]:
-    """The eigendecomposition of each symmetric factor, in float32, batched over equal sizes.
+    """The eigendecomposition of each symmetric factor, in float32, batched over equal sizes on CUDA.
 
     Factors are read in float32 whatever their storage dtype (paper sec. 3.3:
     ``eigh`` is unstable in half precision); eigenvalues below 0 (round-off of
@@ -239,9 +239,13 @@ def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomp
     results: list[Optional[Decomposition]] = [None] * len(factors)
     by_dim: dict[int, list[int]] = {}
     for i, f in enumerate(factors):
-        by_dim.setdefault(f.shape[0], []).append(i)
+        # CUDA decomposes a batch of small matrices in one launch; on the CPU LAPACK takes them
+        # one at a time either way (the same bits), and stacking them only copies.
+        key = f.shape[0] if f.device.type == "cuda" else i
+        by_dim.setdefault(key, []).append(i)
     for indices in by_dim.values():
-        stacked = torch.stack([factors[i].to(torch.float32) for i in indices])
+        stacked = (factors[indices[0]].to(torch.float32).unsqueeze(0) if len(indices) == 1
+                   else torch.stack([factors[i].to(torch.float32) for i in indices]))
         try:
             values, vectors = torch.linalg.eigh(stacked)
             batches = [(indices, values, vectors)]
@@ -274,7 +278,8 @@ def kfac_inverses(factors: Sequence[torch.Tensor], damping: float) -> list[Optio
         by_dim.setdefault(f.shape[0], []).append(i)
     for dim, indices in by_dim.items():
         eye = torch.eye(dim, dtype=torch.float32, device=factors[indices[0]].device)
-        stacked = torch.stack([factors[i].to(torch.float32) for i in indices])
+        stacked = (factors[indices[0]].to(torch.float32).unsqueeze(0) if len(indices) == 1
+                   else torch.stack([factors[i].to(torch.float32) for i in indices]))
         cholesky, info = torch.linalg.cholesky_ex(stacked + damping * eye)
         inverses = torch.cholesky_inverse(cholesky)
         failed = info.tolist()
