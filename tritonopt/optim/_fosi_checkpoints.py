@@ -1,4 +1,10 @@
-"""FOSI's checkpoints and copies: its global state beside the per-parameter one, checked before a load."""
+"""FOSI's checkpoints and copies: its global state beside the per-parameter one, checked before a load.
+
+On sharded parameters the per-parameter state shows as DTensors (``eigenvectors``
+``[r, *param.shape]`` sharded along dimension 1 like the parameter's rows), and
+the global state travels in the first parameter group as well, as plain numbers:
+``torch.distributed.checkpoint`` keeps only ``state`` and ``param_groups``.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,40 @@ from collections import defaultdict
 import torch
 
 from tritonopt._validation import check_float, check_int
+from tritonopt.optim._checkpoints import SHARD_WORLD_KEY
+from tritonopt.optim._sharding import is_sharded, like_param_rows, local_tensor
 
 BASE_STATE = {"adam": ("exp_avg", "exp_avg_sq"), "heavy_ball": ("momentum_buffer",), "sgd": ()}
 _GLOBAL_KEYS = ("eigenvalues", "all_eigenvalues", "ritz_scale", "g1_velocity", "base_scale", "step",
                 "base_step", "ese_count", "velocity_bound")
+_GROUP_KEY = "fosi"  # the global state, as plain numbers, in a sharded state dict's first parameter group
+_VECTORS = ("eigenvalues", "all_eigenvalues", "g1_velocity")
+
+
+def _as_numbers(extra: dict) -> dict:
+    """The global state with its tensors as lists of Python floats (exact: float64 and float32 fit) and dtypes."""
+    out = dict(extra)
+    for key in _VECTORS:
+        value = extra[key]
+        out[key] = None if value is None else value.tolist()
+        out[f"{key}_dtype"] = None if value is None else str(value.dtype).removeprefix("torch.")
+    return out
+
+
+def _from_numbers(numbers) -> dict:
+    """:func:`_as_numbers` undone (``ValueError`` naming what is malformed)."""
+    if not isinstance(numbers, dict):
+        raise ValueError(f"param_groups[0][{_GROUP_KEY!r}] must be a dict, got {type(numbers).__name__}")
+    out = {key: value for key, value in numbers.items() if not key.endswith("_dtype")}
+    for key in _VECTORS:
+        values, dtype = numbers.get(key), numbers.get(f"{key}_dtype")
+        if values is None:
+            continue
+        if dtype not in ("float32", "float64") or not isinstance(values, (list, tuple)):
+            raise ValueError(f"param_groups[0][{_GROUP_KEY!r}][{key!r}] must be a list of floats with a float32 or "
+                             f"float64 dtype, got {type(values).__name__} and {dtype!r}")
+        out[key] = torch.tensor(values, dtype=getattr(torch, dtype))
+    return out
 
 
 class FOSICheckpoints:
@@ -30,7 +66,30 @@ class FOSICheckpoints:
             "velocity_bound": self.velocity_bound,
             **self.subspace.identity(),
         }
+        if self._shards is not None and state["param_groups"]:
+            state["param_groups"][0][_GROUP_KEY] = _as_numbers(state["fosi"])
         return state
+
+    def _sharded_state(self, saved_state: dict) -> dict:
+        shown = super()._sharded_state(saved_state)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for key, entry in shown.items():
+            vectors = entry.get("eigenvectors")
+            if isinstance(vectors, torch.Tensor) and not is_sharded(vectors):
+                entry["eigenvectors"] = like_param_rows(vectors, params[key])
+        return shown
+
+    def _check_shard_world(self, saved) -> None:
+        world = self._shards.spec.world if self._shards is not None else None
+        valid = saved is None or (isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1)
+        if saved != world and valid:
+            saved_text, mine_text = self._world_texts(saved)
+            raise ValueError(
+                f"{SHARD_WORLD_KEY}: the state dict was saved for {saved_text}, this optimizer has {mine_text}; "
+                f"{type(self).__name__} cannot reshard its state (each rank keeps its rows of the basis V and of the "
+                "base optimizer's state): resume with the same number of ranks"
+            )
+        super()._check_shard_world(saved)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a :meth:`state_dict`; a malformed or foreign one raises before anything changes."""
@@ -41,6 +100,12 @@ class FOSICheckpoints:
                                  "state_dict)")
             state_dict = dict(state_dict)
             extra = state_dict.pop("fosi", None)
+            groups = state_dict["param_groups"]
+            if isinstance(groups, (list, tuple)) and any(isinstance(g, dict) and _GROUP_KEY in g for g in groups):
+                if extra is None:  # through torch.distributed.checkpoint, which keeps only the groups
+                    extra = _from_numbers(groups[0].get(_GROUP_KEY) if isinstance(groups[0], dict) else None)
+                state_dict["param_groups"] = [{k: v for k, v in g.items() if k != _GROUP_KEY}
+                                              if isinstance(g, dict) else g for g in groups]
             if extra is None:
                 raise ValueError("state_dict has no 'fosi' entry: it was not saved by FOSI")
             self._check_saved(state_dict, extra)
@@ -97,7 +162,7 @@ class FOSICheckpoints:
         # The rule every packed optimizer keeps (the parameter layout it was saved for, the
         # hyperparameters, skipped_steps), here so that a distributed subspace agrees on it.
         super().check_state_dict(state_dict)
-        saved = state_dict["state"]
+        saved = self._local_state_dict(state_dict)["state"]  # a sharded optimizer's DTensors as their local parts
         expected = {*BASE_STATE[self.config.base], "eigenvectors"}
         for group, saved_group in zip(self.param_groups, groups):
             if len(group["params"]) != len(saved_group.get("params", ())):
@@ -113,8 +178,9 @@ class FOSICheckpoints:
                 if set(entry) != expected:
                     raise ValueError(f"state_dict holds state {sorted(entry)} for parameter {pid}; FOSI with "
                                      f"base={self.config.base!r} keeps {sorted(expected)}")
+                local = local_tensor(p)
                 for name, value in entry.items():
-                    shape = (rank, *p.shape) if name == "eigenvectors" else tuple(p.shape)
+                    shape = (rank, *local.shape) if name == "eigenvectors" else tuple(local.shape)
                     if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
                         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                         raise ValueError(f"state {name!r} of parameter {pid} must have shape {shape}, got {got}")

@@ -9,16 +9,30 @@ subspace that shards ``V`` over ranks).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+import math
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from tritonopt._validation import check_bool, check_choice, check_float, check_int
 from tritonopt.optim.functional import FOSI_BASES, fosi_newton_scale, fosi_update
-from tritonopt.optim.lanczos import default_breakdown_rtol, default_lanczos_iters, extreme_ritz, lanczos, ritz_vectors
+from tritonopt.optim._sharding import local_tensor
+from tritonopt.optim.lanczos import (
+    DifferenceHVP,
+    LanczosResult,
+    default_breakdown_rtol,
+    default_lanczos_iters,
+    extreme_ritz,
+    difference_step,
+    lanczos,
+    make_hvp,
+    ritz_vectors,
+)
 
 # The fused update takes at most this many basis rows (k + l).
 MAX_RANK = 64
+# How the ESE forms Hessian-vector products: by double backward, or from differences of the gradient.
+HVP_METHODS = ("double_backward", "central_difference", "forward_difference")
 
 @dataclass(frozen=True)
 class FOSIConfig:
@@ -39,6 +53,8 @@ class FOSIConfig:
     ritz_rtol: float = 1e-6
     eigenvalue_floor: float = 1e-3
     seed: int = 0
+    hvp: Optional[str] = None
+    hvp_eps: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_choice("base", self.base, FOSI_BASES)
@@ -64,6 +80,20 @@ class FOSIConfig:
         check_float("ritz_rtol", self.ritz_rtol, low=0.0, high=1.0)
         check_float("eigenvalue_floor", self.eigenvalue_floor, low=0.0, high=1.0)
         check_int("seed", self.seed, low=0)
+        if self.hvp is not None:
+            check_choice("hvp", self.hvp, HVP_METHODS)
+        if self.hvp_eps is not None:
+            check_float("hvp_eps", self.hvp_eps, low=0.0, low_open=True)
+            if self.hvp == "double_backward":
+                raise ValueError("hvp_eps is the step of a gradient-difference product; hvp='double_backward' "
+                                 "takes none")
+
+    def hvp_method(self, sharded: bool) -> str:
+        """The product the ESE uses: ``hvp``, or by default double backward on plain tensors and central
+        differences on DTensor parameters (FSDP2 forms their gradient in a reduce-scatter with no backward)."""
+        if self.hvp is not None:
+            return self.hvp
+        return "central_difference" if sharded else "double_backward"
 
     @property
     def first_curvature_step(self) -> int:
@@ -108,6 +138,33 @@ class Curvature:
     report: dict
 
 
+def ese_hvp(config: FOSIConfig, params: Sequence[torch.Tensor], loss_fn: Callable[[], torch.Tensor],
+            dtype: torch.dtype, *, sharded: bool, squared_norm: Callable[[torch.Tensor], float]):
+    """The Hessian-vector product of ``loss_fn`` that ``config.hvp`` names, on this rank's coordinates.
+
+    ``squared_norm(w)``: ``||w||^2`` of the whole weight vector whose local part
+    is ``w`` (float64), for the default step of a gradient-difference product.
+    """
+    method = config.hvp_method(sharded)
+    if method == "double_backward":
+        return make_hvp(params, loss_fn, dtype)
+    scheme = "central" if method == "central_difference" else "forward"
+    step = config.hvp_eps
+    if step is None:
+        squared = squared_norm(torch.cat([local_tensor(p).detach().reshape(-1).double() for p in params]))
+        coarsest = max((p.dtype for p in params), key=lambda t: torch.finfo(t).eps)
+        step = difference_step(scheme, coarsest, math.sqrt(squared) if squared >= 0 else math.nan)
+    return DifferenceHVP(params, loss_fn, dtype, scheme=scheme, eps=step)
+
+
+def curvature_from_lanczos(result: LanczosResult, config: FOSIConfig, dtype: torch.dtype) -> Curvature:
+    """The selected Ritz pairs of a Lanczos run (every row of ``V`` here), their vectors in ``dtype``."""
+    ritz = extreme_ritz(result.tridiag, config.k, config.l, config.ritz_rtol)
+    report = {"steps": result.steps, "breakdown": result.breakdown, "basis_numel": result.basis.numel(),
+              "basis_shape": tuple(result.basis.shape)}
+    return Curvature(ritz.values, ritz_vectors(result.basis, ritz.vectors, dtype), ritz.values, ritz.scale, report)
+
+
 class LocalSubspace:
     """FOSI's subspace held whole in this process (the default of :class:`FOSI`).
 
@@ -133,11 +190,7 @@ class LocalSubspace:
         result = lanczos(hvp, n, config.lanczos_iters(n), dtype=config.lanczos_dtype, device=device,
                          passes=config.reorth_passes, seed=seed,
                          breakdown_rtol=default_breakdown_rtol(config.lanczos_dtype))
-        ritz = extreme_ritz(result.tridiag, config.k, config.l, config.ritz_rtol)
-        report = {"steps": result.steps, "breakdown": result.breakdown, "basis_numel": result.basis.numel(),
-                  "basis_shape": tuple(result.basis.shape)}
-        return Curvature(ritz.values, ritz_vectors(result.basis, ritz.vectors, dtype), ritz.values, ritz.scale,
-                         report)
+        return curvature_from_lanczos(result, config, dtype)
 
     def carry_velocity(self, new_basis: torch.Tensor, old_basis: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
         return new_basis @ (velocity @ old_basis)

@@ -15,6 +15,9 @@ need from here:
 * :class:`ShardGroup`: the collectives a sharded optimizer runs, with the bytes
   they moved, and :meth:`ShardGroup.check_agree`, which makes ranks with another
   configuration fail naming the setting;
+* :func:`local_coordinates`: where a rank's local coordinates sit in the whole
+  vector, and which of them count in a sum over the ranks (a replicated
+  parameter's on one rank only);
 * the conversion of state between local tensors (what the optimizer keeps)
   and DTensors (what its ``state_dict`` shows, so that
   ``torch.distributed.checkpoint`` saves each rank's part).
@@ -44,6 +47,14 @@ def is_sharded(t) -> bool:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank's own part of a DTensor (sharing its storage), or ``t`` itself."""
     return t.to_local() if is_sharded(t) else t
+
+
+def as_like(local: torch.Tensor, p) -> torch.Tensor:
+    """``local`` (shaped like ``p``'s local part) as a DTensor laid out as ``p``, sharing its storage; or ``local``
+    itself when ``p`` is a plain tensor."""
+    if not is_sharded(p):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _placement_name(p) -> str:
@@ -76,6 +87,44 @@ class ShardSpec:
 
 def _is_row_sharded(p) -> bool:
     return is_sharded(p) and isinstance(p.placements[0], Shard)
+
+
+@dataclass
+class Coordinates:
+    """Where a rank's local coordinates of ``params`` (their local parts laid end to end) sit in the whole vector.
+
+    The whole vector is every parameter flattened whole, in order, as an unsharded
+    optimizer lays them out: ``total`` entries. ``indices`` (int64, one per local
+    coordinate) are their positions there. ``counted`` (float64, 1 or 0 per local
+    coordinate) makes each coordinate count once in a sum over the ranks: a
+    ``Replicate()`` parameter, which every rank holds whole, counts on rank 0
+    only. None when every local coordinate counts (no replicated parameter, or rank 0).
+    """
+
+    indices: torch.Tensor
+    counted: Optional[torch.Tensor]
+    total: int
+
+
+def local_coordinates(params: Sequence[torch.Tensor], spec: ShardSpec) -> Coordinates:
+    """The :class:`Coordinates` of this rank's parts of ``params`` (each ``Shard(0)`` or ``Replicate()``)."""
+    indices, counted, start, replicated = [], [], 0, False
+    for p in params:
+        numel = p.numel()
+        if _is_row_sharded(p):
+            row = math.prod(p.shape[1:])
+            chunk = -(-p.shape[0] // spec.world) if p.shape[0] else 0
+            first = min(spec.rank * chunk, p.shape[0])
+            rows = spec.local_rows(p.shape[0], spec.rank)
+            indices.append(torch.arange(start + first * row, start + (first + rows) * row))
+            counted.append(torch.ones(rows * row, dtype=torch.float64))
+        else:
+            indices.append(torch.arange(start, start + numel))
+            counted.append(torch.full((numel,), 1.0 if spec.rank == 0 else 0.0, dtype=torch.float64))
+            replicated = True
+        start += numel
+    once = torch.cat(counted)
+    return Coordinates(torch.cat(indices), once if replicated and spec.rank != 0 else None, start)
 
 
 def shard_spec(owner: str, params: Sequence[torch.Tensor]) -> Optional[ShardSpec]:
@@ -159,6 +208,13 @@ class ShardGroup:
         value = torch.where(value.isfinite(), value, torch.full_like(value, math.inf))
         return float(self.all_reduce(value, dist.ReduceOp.MAX))
 
+    def largest_each(self, values: torch.Tensor) -> list[float]:
+        """Each entry of ``values`` (1-D) maximised over the ranks in one all-reduce, in float64 (exact); NaN or inf
+        on any rank gives inf everywhere."""
+        values = values.reshape(-1).to(torch.float64)
+        values = torch.where(values.isfinite(), values, torch.full_like(values, math.inf))
+        return self.all_reduce(values, dist.ReduceOp.MAX).tolist()
+
     def check_agree(self, owner: str, settings: dict) -> None:
         """``ValueError`` on every rank, naming each differing setting and every rank's value, unless all agree.
 
@@ -200,6 +256,15 @@ def like_param(local: torch.Tensor, p) -> torch.Tensor:
     """
     return DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
                               stride=_contiguous_stride(p.shape))
+
+
+def like_param_rows(local: torch.Tensor, p) -> torch.Tensor:
+    """A copy of ``local`` (``[r, *local shape of p]``: ``r`` vectors laid out like ``p``) as a ``[r, *p.shape]``
+    DTensor: sharded along dimension 1 where ``p`` is ``Shard(0)``, replicated where ``p`` is."""
+    placements = [Shard(1)] if _is_row_sharded(p) else list(p.placements)
+    shape = (local.shape[0], *p.shape)
+    return DTensor.from_local(local.clone(), p.device_mesh, placements, run_check=False, shape=shape,
+                              stride=_contiguous_stride(shape))
 
 
 def rank_stacked(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:

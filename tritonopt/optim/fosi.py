@@ -15,6 +15,7 @@ and puts collectives between the same pieces.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Callable, Iterable, Optional, Sequence
@@ -25,10 +26,12 @@ from tritonopt._runtime import nvtx_range
 from tritonopt._validation import check_float
 from tritonopt.optim._blocks import BlockLayout, zeros_with_aligned_rows
 from tritonopt.optim._fosi_checkpoints import BASE_STATE, FOSICheckpoints
-from tritonopt.optim._fosi_config import MAX_RANK, Curvature, FOSIConfig, LocalSubspace  # noqa: F401 (MAX_RANK)
+from tritonopt.optim._fosi_config import MAX_RANK, Curvature, FOSIConfig, LocalSubspace, ese_hvp  # noqa: F401
+from tritonopt.optim._fosi_sharded import ParameterShardedSubspace
 from tritonopt.optim._packed import PackedGroup, PackedOptimizer, StepWork, _caller_stacklevel, bind_flat_state
+from tritonopt.optim._sharding import local_tensor
 from tritonopt.optim.functional import FOSIHyper, fosi_base_scale
-from tritonopt.optim.lanczos import make_hvp
+from tritonopt.optim.lanczos import DifferenceHVP
 
 __all__ = ["FOSI", "Curvature", "FOSIConfig", "LocalSubspace"]
 
@@ -129,6 +132,31 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
             it is not finite the step is undone, including an ESE it ran, and
             counted like a non-finite gradient.
 
+        hvp: the ESE's Hessian-vector products: ``"double_backward"`` (the default
+            on plain tensors), ``"central_difference"`` (``(g(w + eps v) - g(w - eps v))
+            / (2 eps)``, two gradients per product; the default on DTensor parameters)
+            or ``"forward_difference"`` (``(g(w + eps v) - g(w)) / eps``, one, plus
+            ``g(w)`` once): :class:`~tritonopt.optim.lanczos.DifferenceHVP`.
+        hvp_eps: their step along the unit vector ``v``; default
+            :func:`~tritonopt.optim.lanczos.difference_step`'s, ``u^(1/3) (1 + ||w||)``
+            (central) or ``u^(1/2) (1 + ||w||)``, ``u`` the parameters' unit roundoff.
+
+    **Sharded parameters** (DTensors of FSDP2's ``fully_shard``, ``Shard(0)`` or
+    ``Replicate()`` on a 1-D mesh): every rank builds the same FOSI and steps
+    after each backward. ``V``, the Lanczos vectors and the base optimizer's
+    state are sharded like the parameters; every sum over coordinates is the
+    ranks' partial sums all-reduced, a replicated parameter counted once
+    (:mod:`~tritonopt.optim._fosi_sharded` lists the collectives). The products
+    default to central differences: FSDP2 forms a sharded parameter's gradient in
+    a reduce-scatter, which has no backward, so no double backward reaches it (a
+    loss of DTensor arithmetic, without ``fully_shard``, may take
+    ``hvp="double_backward"``). Each gradient is then FSDP2's average over the
+    ranks, the Hessian that of the ranks' mean ``curvature_loss_fn`` (give every
+    rank the same ESE batch), and its ``backward()`` writes the gradient of every
+    parameter it reaches (FOSI's own get theirs back). Ranks given other settings
+    fail at construction naming them; a ``state_dict`` or a
+    ``torch.distributed.checkpoint`` resumes on as many ranks as saved it.
+
     Precision: float32, float16 and bfloat16 parameters are updated through a
     float32 copy (the fused op); float64 parameters (all of them float64) keep
     every buffer, the basis and the Hessian-vector products in float64.
@@ -137,7 +165,8 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
     the non-finite policy and the overflow bound), a second only on a step the
     bound flags; one per Lanczos iteration during an ESE.
 
-    State (per parameter, views of flat buffers, float32 or float64 as above):
+    State (per parameter, views of flat buffers, float32 or float64 as above;
+    on sharded parameters the rank's part, shown as DTensors by ``state_dict``):
     ``exp_avg`` and ``exp_avg_sq`` (Adam) or ``momentum_buffer`` (heavy-ball),
     and ``eigenvectors`` (``[r, *param.shape]``: the parameter's slice of ``V``).
     Global state (``state_dict()["fosi"]``): ``eigenvalues`` and
@@ -146,6 +175,9 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
     ``copy.deepcopy``, ``pickle`` and a ``state_dict`` round trip through
     ``torch.load(weights_only=True)`` resume bit for bit.
     """
+
+    SHARDING_REFUSAL = None
+    LIKE_PARAM_ENTRIES = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer"})
 
     def __init__(
         self,
@@ -173,6 +205,8 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
         eigenvalue_floor: float = 1e-3,
         seed: int = 0,
         on_nonfinite: str = "skip",
+        hvp: Optional[str] = None,
+        hvp_eps: Optional[float] = None,
         subspace=None,
     ):
         self.config = FOSIConfig(
@@ -180,7 +214,7 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
             curvature_update_every=curvature_update_every, lanczos_dtype=lanczos_dtype,
             reorth_passes=reorth_passes, paper_exact=paper_exact, g1_momentum=g1_momentum,
             learning_rate_clip=learning_rate_clip, ritz_rtol=ritz_rtol, eigenvalue_floor=eigenvalue_floor,
-            seed=seed,
+            seed=seed, hvp=hvp, hvp_eps=hvp_eps,
         )
         if curvature_loss_fn is not None and not callable(curvature_loss_fn):
             raise TypeError("curvature_loss_fn must be callable (or None)")
@@ -202,6 +236,18 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
         self._checked_settings: Optional[list] = None  # the groups' settings the last step validated
         defaults = dict(lr=lr, betas=betas, momentum=momentum, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, on_nonfinite)
+        if self._shards is not None:
+            if subspace is not None:
+                raise ValueError(f"{type(self).__name__} does not support DTensor (sharded, e.g. FSDP2 fully_shard) "
+                                 "parameters: its subspace is its own; FOSI itself steps them")
+            self.subspace = ParameterShardedSubspace(self._shards)
+
+    def _agreement_settings(self) -> dict:
+        """The packed optimizers' settings, FOSI's shared ones and whether a curvature loss is given."""
+        settings = super()._agreement_settings()
+        settings.update(dataclasses.asdict(self.config))
+        settings["curvature_loss_fn"] = "given" if self.curvature_loss_fn is not None else None
+        return settings
 
     # ------------------------------------------------------------------ settings
 
@@ -269,7 +315,7 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"all FOSI parameters must be on one device, found {sorted(map(str, devices))}")
-        layout = BlockLayout(params, sum(p.numel() for p in params))
+        layout = BlockLayout(params, sum(local_tensor(p).numel() for p in params))
         dtype = self._work_dtype(params)
         # Parameters added since the last step (a new group) start with zero state, and with
         # zero columns in V: the Newton step reaches them from the next ESE on.
@@ -283,9 +329,12 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
         flat = {name: buffer.view(-1) for name, buffer in buffers.items()}
         packed = PackedGroup(layout, {**flat, "basis": basis},
                              {"grad": layout.zeros(dtype).view(-1), "weights": layout.zeros(dtype).view(-1)})
-        packed.group_sizes = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in self.param_groups]
+        packed.group_sizes = [sum(local_tensor(p).numel() for p in g["params"] if p.requires_grad)
+                              for g in self.param_groups]
         packed.weight_views = layout.views(packed.weights)
         self._packed[0] = packed
+        if self._shards is not None:
+            self.subspace.bind(params)
         self._bind_basis_views(packed)
         self._derive_newton_scale(layout.device, dtype)
         self._state_bound = None  # measured at the next step
@@ -307,7 +356,7 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
         basis = packed.basis
         rank = basis.shape[0]
         for p, start, numel in zip(packed.layout.tensors, packed.layout.offsets, packed.layout.numels):
-            self.state[p]["eigenvectors"] = basis[:, start : start + numel].view(rank, *p.shape)
+            self.state[p]["eigenvectors"] = basis[:, start : start + numel].view(rank, *local_tensor(p).shape)
 
     def _state_buffers(self, packed: PackedGroup) -> list[torch.Tensor]:
         return [packed.state[name] for name in BASE_STATE[self.config.base]]
@@ -318,15 +367,25 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
         """The ESE at the current weights, or None when its Hessian products were not finite (warned)."""
         n = packed.layout.total
         dtype = packed.basis.dtype
+        hvp = None
         with nvtx_range("tritonopt/fosi/ese"):
             try:
-                hvp = make_hvp(packed.layout.tensors, loss_fn, dtype)
+                hvp = self._make_hvp(packed.layout.tensors, loss_fn, dtype)
                 return self.subspace.extreme_spectrum(hvp, n, self.config, dtype=dtype, device=packed.layout.device,
                                                       seed=self.config.seed + self.ese_count)
             except FloatingPointError as exc:
                 warnings.warn(f"FOSI: curvature estimation failed ({exc}); keeping the previous curvature",
                               RuntimeWarning, stacklevel=_caller_stacklevel())
                 return None
+            finally:
+                if isinstance(hvp, DifferenceHVP):
+                    hvp.close()
+
+    def _make_hvp(self, params: Sequence[torch.Tensor], loss_fn: Callable[[], torch.Tensor], dtype: torch.dtype):
+        """The Hessian-vector product the configuration names (see ``hvp``), on this rank's coordinates."""
+        sharded = self._shards is not None
+        squared_norm = self.subspace.squared_norm if sharded else (lambda w: float(w.dot(w)))
+        return ese_hvp(self.config, params, loss_fn, dtype, sharded=sharded, squared_norm=squared_norm)
 
     def _derive_newton_scale(self, device: torch.device, dtype: torch.dtype) -> None:
         """``s`` on the parameters' device (copied once per estimate, not per step), and ``max|s|``
@@ -425,6 +484,15 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
             measures.append(state_buffers[0].abs().amax())
         return StepWork(index, groups, params, packed, largest_grad, measures=measures)
 
+    def _read(self, work: list[StepWork]) -> float:
+        """On sharded parameters, every reading (the gradient's largest entry first) is the largest over the
+        ranks, in one all-reduce, so that every rank takes the same decisions."""
+        if self._shards is None or not work:
+            return super()._read(work)
+        (unit,) = work
+        unit.readings = self._shards.largest_each(torch.stack(unit.measures))
+        return unit.readings[0]
+
     def _update_bound(self, largest_grad: float, segments: list[FOSIHyper], n: int, r: int):
         """``(risky, state_bound, velocity_bound)`` after this step, from ``max|g|`` (see ``_OVERFLOW_GUARD``).
 
@@ -486,8 +554,8 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
             refs = self._curvature_refs(packed)
             self._install(packed, self._estimate(self.curvature_loss_fn, packed))
         segments = self._segments(settings, packed.group_sizes)
-        risky, state_bound, velocity_bound = self._update_bound(
-            largest_grad, segments, layout.total, packed.basis.shape[0])
+        whole = self.subspace.total if self._shards is not None else layout.total
+        risky, state_bound, velocity_bound = self._update_bound(largest_grad, segments, whole, packed.basis.shape[0])
         with nvtx_range("tritonopt/fosi/pack"):
             layout.pack(params, packed.weights.view(1, -1))
         live = [*state_buffers, self.g1_velocity]
@@ -505,7 +573,11 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
             # One read: whether everything the step wrote is finite, and the state's largest entry.
             finite = torch.stack([torch.isfinite(t).all() for t in (packed.weights, *live)]).all()
             largest = state_buffers[0].abs().amax() if state_buffers else packed.weights.new_zeros(())
-            finite, largest_state = torch.stack([finite.double(), largest.double()]).tolist()
+            if self._shards is None:
+                finite, largest_state = torch.stack([finite.double(), largest.double()]).tolist()
+            else:  # every rank undoes the step when any rank's result is not finite
+                broken, largest_state = self._shards.largest_each(torch.stack([(~finite).double(), largest.double()]))
+                finite = float(broken == 0.0)
             if finite != 1.0:
                 for t, copy in zip(live, saved):
                     t.copy_(copy)
@@ -517,7 +589,7 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
                 return
             state_bound = largest_state
         with nvtx_range("tritonopt/fosi/unpack"):
-            torch._foreach_copy_(params, packed.weight_views)
+            torch._foreach_copy_(list(layout.locals), packed.weight_views)
         self._state_bound, self.velocity_bound = state_bound, velocity_bound
         self.base_step += 1
         self.step_count += 1
