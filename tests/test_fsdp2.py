@@ -8,7 +8,8 @@ very same gradients (the sharded run's, gathered), so the only difference is how
 sums over coordinates are formed. Elementwise updates (SparseAdaGrad keeping every
 entry, FlatSGD) are then equal bit for bit: each coordinate sees the same float32
 operations on the same values, so no tolerance is allowed. For the windows the bound is
-:func:`_window_bound`, derived there.
+:func:`_window_bound`, derived there; for FOSI (float64, central-difference Hessian-vector
+products, since no double backward goes through ``fully_shard``) ``_fosi_replay.fosi_bound``.
 """
 
 from __future__ import annotations
@@ -213,15 +214,15 @@ def _lowrank_bound(fulls, steps_grads, lr: float, rank: int, ngrads: int, damp: 
 # ---------------------------------------------------------------------- the ranks' side
 
 
-def _model():
+def _model(dtype=torch.float32):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+    return torch.nn.Sequential(torch.nn.Linear(5, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3)).to(dtype)
 
 
-def _sharded_model(mesh):
+def _sharded_model(mesh, dtype=torch.float32):
     from torch.distributed.fsdp import fully_shard
 
-    model = _model()
+    model = _model(dtype)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -229,13 +230,13 @@ def _sharded_model(mesh):
     return model
 
 
-def _batch(rank: int, step: int):
+def _batch(rank: int, step: int, dtype=torch.float32):
     gen = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
+    return torch.randn(8, 5, generator=gen, dtype=dtype), torch.randn(8, 3, generator=gen, dtype=dtype)
 
 
 def _backward(model, rank: int, step: int):
-    x, y = _batch(rank, step)
+    x, y = _batch(rank, step, next(model.parameters()).dtype)
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
@@ -255,6 +256,7 @@ CHECKPOINT_SETTINGS = {
     "SparseMFAC": dict(density=0.3, block_size=8, momentum=0.5),
     "SparseAdaGrad": dict(density=0.5, block_size=8),
     "FlatSGD": dict(),  # CASES' momentum already puts a momentum buffer in the checkpoint
+    "FOSI": dict(),  # FOSI_CHECKPOINT_KW
 }
 # The optimizers whose state is per coordinate and laid out like the parameter: a checkpoint of them reshards.
 RESHARDABLE = ("FlatSGD", "SparseAdaGrad")
@@ -265,6 +267,16 @@ def _optimizer(name: str, params, **overrides):
 
     cls_name, kwargs, _ = LOWRANK if name == "LowRankMFAC" else CASES[name]
     return getattr(tritonopt.optim, cls_name)(params, **{**kwargs, **overrides})
+
+
+def _model_optimizer(name: str, model, **overrides):
+    """``_optimizer`` over ``model``'s parameters; FOSI's curvature loss is ``model``'s on the ESE batch."""
+    import tritonopt
+
+    if name == "FOSI":
+        loss = _CurvatureLoss(model, dtype=next(model.parameters()).dtype)
+        return tritonopt.optim.FOSI(model.parameters(), curvature_loss_fn=loss, **{**FOSI_CHECKPOINT_KW, **overrides})
+    return _optimizer(name, model.parameters(), **overrides)
 
 
 def _compare_fsdp(rank, mesh, name):
@@ -367,16 +379,136 @@ def _lowrank_explicit(rank, mesh):
             "state_bytes": opt.state_bytes(), "expected_state_bytes": opt.expected_state_bytes()}
 
 
+# FOSI on float64 parameters: one ESE (before the first update) of 6 Lanczos iterations keeping the 2 largest
+# Ritz pairs, then Adam steps with the Newton step on them.
+FOSI_KW = dict(lr=0.01, k=2, num_lanczos_iters=6, alpha=0.5, curvature_update_every=100)
+FOSI_STEPS = 3
+# The checkpoint case: float32, an ESE every other step (so the resumed steps run one), a velocity in the state.
+FOSI_CHECKPOINT_KW = dict(lr=0.01, k=2, num_lanczos_iters=4, curvature_update_every=2, g1_momentum=0.5)
+
+
+def _ese_batch(dtype=torch.float64):
+    """The curvature loss's batch: fixed, the same on every rank (FSDP2 averages the ranks' gradients)."""
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(8, 5, generator=gen, dtype=dtype), torch.randn(8, 3, generator=gen, dtype=dtype)
+
+
+def _mlp(params, x):
+    """``_model``'s function on its four parameters (DTensors are gathered whole, differentiably)."""
+    w1, b1, w2, b2 = (p.full_tensor() if hasattr(p, "full_tensor") else p for p in params)
+    return torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, w1, b1)), w2, b2)
+
+
+class _CurvatureLoss:
+    """The mean squared error on the ESE batch, of a model or of ``_mlp`` on a parameter list."""
+
+    def __init__(self, model=None, params=None, dtype=torch.float64):
+        self.model, self.params = model, params
+        self.x, self.y = _ese_batch(dtype)
+
+    def __call__(self):
+        out = self.model(self.x) if self.model is not None else _mlp(self.params, self.x)
+        return torch.nn.functional.mse_loss(out, self.y)
+
+
+def _flat(params):
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1) for p in params])
+
+
+def _fosi_fsdp(rank, mesh):
+    """FOSI on a float64 fully_shard'ed model (central-difference products, its default there) beside FOSI with the
+    same products on the plain model and torch's Adam, both given the sharded run's gradients, gathered."""
+    import tritonopt
+
+    model, reference, base_model = _sharded_model(mesh, torch.float64), _model(torch.float64), _model(torch.float64)
+    theta0 = _flat(reference.parameters())
+    opt = tritonopt.optim.FOSI(model.parameters(), curvature_loss_fn=_CurvatureLoss(model), **FOSI_KW)
+    ref_opt = tritonopt.optim.FOSI(reference.parameters(), curvature_loss_fn=_CurvatureLoss(reference),
+                                   hvp="central_difference", **FOSI_KW)
+    base = torch.optim.Adam(base_model.parameters(), lr=FOSI_KW["lr"])
+    grads = []
+    for step in range(FOSI_STEPS):
+        opt.zero_grad(set_to_none=True)
+        _backward(model, rank, step)
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+        for q, b, g in zip(reference.parameters(), base_model.parameters(), grads[-1]):
+            q.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        base.step()
+        if step == 0:  # the ESE's gradient differences ran backward(): the step's own gradients are back
+            grads_kept = all(torch.equal(p.grad.full_tensor(), g) for p, g in zip(model.parameters(), grads[0]))
+    out = {"sharded": _flat(model.parameters()), "plain": _flat(reference.parameters()),
+           "base": _flat(base_model.parameters()), "theta0": theta0, "grads": grads,
+           "bytes": opt.shard_group.bytes_all_reduced, "calls": opt.shard_group.all_reduce_calls,
+           "eigenvalues": (opt.eigenvalues, ref_opt.eigenvalues), "d_shape": opt.last_lanczos["basis_shape"],
+           "grads_kept": grads_kept}
+    try:  # no double backward reaches fully_shard's parameters: named, with the product that works
+        other = _sharded_model(mesh, torch.float64)
+        tritonopt.optim.FOSI(other.parameters(), curvature_loss_fn=_CurvatureLoss(other), hvp="double_backward",
+                             **FOSI_KW).update_curvature()
+        out["double_backward"] = None
+    except ValueError as error:
+        out["double_backward"] = str(error)
+    return out
+
+
+def _fosi_explicit(rank, mesh):
+    """FOSI on Shard(0) parameters (13 rows: 7 and 6; 3 rows: 2 and 1) and a Replicate() one, whose loss is DTensor
+    arithmetic, beside the plain parameters with the same gradients; and the double-backward products of both."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import tritonopt
+    from tritonopt.optim.lanczos import make_hvp, start_vector
+
+    torch.manual_seed(1)
+    fulls = [torch.randn(13, 5, dtype=torch.float64), torch.randn(13, dtype=torch.float64),
+             torch.randn(3, 13, dtype=torch.float64), torch.randn(3, dtype=torch.float64)]
+    placements = [[Shard(0)], [Shard(0)], [Shard(0)], [Replicate()]]
+    params = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, pl)) for f, pl in zip(fulls, placements)]
+    plain = [torch.nn.Parameter(f.clone()) for f in fulls]
+    # One vector through both double-backward products (at the same weights): each rank's coordinates of the
+    # plain product.
+    v = start_vector(sum(f.numel() for f in fulls), 3)
+    pieces = v.split([f.numel() for f in fulls])
+    local_v = torch.cat([distribute_tensor(x.reshape(f.shape), mesh, pl).to_local().reshape(-1)
+                         for x, f, pl in zip(pieces, fulls, placements)])
+    sharded_hv = make_hvp(params, _CurvatureLoss(params=params))(local_v)
+    whole_hv = make_hvp(plain, _CurvatureLoss(params=plain))(v).split([f.numel() for f in fulls])
+    expected = torch.cat([distribute_tensor(x.reshape(f.shape), mesh, pl).to_local().reshape(-1)
+                          for x, f, pl in zip(whole_hv, fulls, placements)])
+    base_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    opt = tritonopt.optim.FOSI(params, curvature_loss_fn=_CurvatureLoss(params=params), **FOSI_KW)
+    ref_opt = tritonopt.optim.FOSI(plain, curvature_loss_fn=_CurvatureLoss(params=plain), hvp="central_difference",
+                                   **FOSI_KW)
+    base = torch.optim.Adam(base_params, lr=FOSI_KW["lr"])
+    grads = []
+    for step in range(FOSI_STEPS):
+        gen = torch.Generator().manual_seed(step)
+        grads.append([0.1 * torch.randn(f.shape, generator=gen, dtype=torch.float64) for f in fulls])
+        for p, q, b, g, pl in zip(params, plain, base_params, grads[-1], placements):
+            p.grad = distribute_tensor(g.clone(), mesh, pl)
+            q.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        base.step()
+    return {"sharded": _flat(params), "plain": _flat(plain), "base": _flat(base_params),
+            "theta0": torch.cat([f.reshape(-1) for f in fulls]), "grads": grads, "bytes": opt.shard_group.bytes_all_reduced,
+            "calls": opt.shard_group.all_reduce_calls, "double_backward_equal": torch.equal(sharded_hv, expected),
+            "eigenvectors": tuple(opt.state[params[3]]["eigenvectors"].shape)}
+
+
 def _refusals(rank, mesh):
     import tritonopt
 
     model = _sharded_model(mesh)
     attempts = {
-        "FOSI": lambda: tritonopt.optim.FOSI(model.parameters(), lr=0.1),
+        "DHO2": lambda: tritonopt.dist.DHO2(model.parameters(), lr=0.1),
         "KFACPreconditioner": lambda: tritonopt.optim.KFACPreconditioner(model),
         "track_error_norm": lambda: tritonopt.optim.SparseMFAC(model.parameters(), track_error_norm=True),
         "mixed": lambda: tritonopt.optim.MFAC([*model.parameters(), torch.nn.Parameter(torch.zeros(3))]),
         "disagree": lambda: tritonopt.optim.MFAC(model.parameters(), lr=0.1 * (rank + 1), ngrads=NGRADS),
+        "fosi_disagree": lambda: tritonopt.optim.FOSI(model.parameters(), k=2 + rank, hvp_eps=1e-3),
     }
     seen = {}
     for name, attempt in attempts.items():
@@ -502,7 +634,7 @@ def _checkpoints(rank, mesh, directory):
     results, saved_on_two = {}, {}
     for name, kwargs in CHECKPOINT_SETTINGS.items():
         model = _sharded_model(mesh)
-        opt = _optimizer(name, model.parameters(), **kwargs)
+        opt = _model_optimizer(name, model, **kwargs)
         _run(model, opt, rank, range(3))
         path = f"{directory}/{name}"
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
@@ -517,7 +649,7 @@ def _checkpoints(rank, mesh, directory):
         saved_on_two[name]["uninterrupted"] = uninterrupted
 
         model2 = _sharded_model(mesh)
-        opt2 = _optimizer(name, model2.parameters(), **kwargs)
+        opt2 = _model_optimizer(name, model2, **kwargs)
         template = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
         dcp.load(template, checkpoint_id=path)
         set_model_state_dict(model2, template["model"])
@@ -527,14 +659,14 @@ def _checkpoints(rank, mesh, directory):
         buffer.seek(0)
         saved = torch.load(buffer, weights_only=True)
         model3 = _sharded_model(mesh)
-        opt3 = _optimizer(name, model3.parameters(), **kwargs)
+        opt3 = _model_optimizer(name, model3, **kwargs)
         with torch.no_grad():
             for p, value in zip(model3.parameters(), saved["model"]):
                 p.copy_(value)
         opt3.load_state_dict(saved["optim"])
         via_state_dict = _run(model3, opt3, rank, range(3, STEPS))
 
-        plain = _optimizer(name, _model().parameters(), **kwargs)
+        plain = _model_optimizer(name, _model(), **kwargs)
         try:
             plain.load_state_dict(saved["optim"])
             refused = None
@@ -585,10 +717,10 @@ def _resume_on_one_rank(rank, directory, saved_on_two):
     for name, kwargs in CHECKPOINT_SETTINGS.items():
         saved, path = saved_on_two[name], f"{directory}/{name}"
         model = _sharded_model(mesh)
-        opt = _optimizer(name, model.parameters(), **kwargs)
+        opt = _model_optimizer(name, model, **kwargs)
         seen = {"dcp_refused": _load_dcp(model, opt, path, group)}
         try:
-            _optimizer(name, _sharded_model(mesh).parameters(), **kwargs).load_state_dict(saved["per_rank"])
+            _model_optimizer(name, _sharded_model(mesh), **kwargs).load_state_dict(saved["per_rank"])
             seen["per_rank_refused"] = None
         except ValueError as error:
             seen["per_rank_refused"] = str(error)
@@ -632,6 +764,8 @@ def _scenario(rank, world, directory):
         out["fsdp"][name] = _compare_fsdp(rank, mesh, name)
         out["explicit"][name] = _explicit_dtensors(rank, mesh, name)
     out["lowrank"] = _lowrank_explicit(rank, mesh)
+    out["fosi_fsdp"] = _fosi_fsdp(rank, mesh)
+    out["fosi_explicit"] = _fosi_explicit(rank, mesh)
     out["refusals"] = _refusals(rank, mesh)
     out["skip"] = _skip_together(rank, mesh)
     out["flat_sgd"] = _flat_sgd_together(rank, mesh)
@@ -729,10 +863,80 @@ def test_lowrank_mfac_all_reduces_the_stated_bytes_per_step(ranks):
     assert ranks[1]["lowrank"]["local_rows"] == [(NGRADS, 6, 2), (NGRADS, 1, 2), (NGRADS, 7, 2)]
 
 
+def _fosi_bound(seen):
+    """The replay's final parameters and the bound on two runs' distance (``_fosi_replay``) for a FOSI case."""
+    from _fosi_replay import fosi_bound
+
+    grads = [torch.cat([g.reshape(-1) for g in step]) for step in seen["grads"]]
+    kwargs = {key: FOSI_KW[key] for key in ("lr", "k", "num_lanczos_iters", "alpha")}
+    return fosi_bound(seen["theta0"], [(13, 5), (13,), (3, 13), (3,)], _ese_batch(), grads, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def fosi_bounds(ranks):
+    return {case: _fosi_bound(ranks[0][case]) for case in ("fosi_fsdp", "fosi_explicit")}
+
+
+@pytest.mark.parametrize("case", ["fosi_fsdp", "fosi_explicit"])
+def test_fosi_on_sharded_parameters_equals_unsharded_within_the_rounding_bound(ranks, fosi_bounds, case):
+    # FOSI on a fully_shard'ed model, and on Shard(0) and Replicate() parameters whose loss is DTensor arithmetic,
+    # against FOSI on the plain parameters with the same central-difference products and gradients:
+    # _fosi_replay derives the float64 bound on what the other order of the sums over coordinates can change.
+    replayed, bound = fosi_bounds[case]
+    for result in ranks:
+        seen = result[case]
+        assert float(((seen["sharded"] - seen["plain"]).abs() / bound).max()) <= 1.0
+        assert torch.equal(seen["sharded"], ranks[0][case]["sharded"])  # both ranks hold the same model
+    # The replay is FOSI's computation: it lands within the same bound of the plain run.
+    assert float(((replayed - ranks[0][case]["plain"]).abs() / bound).max()) <= 1.0
+
+
+@pytest.mark.parametrize("case", ["fosi_fsdp", "fosi_explicit"])
+def test_fosi_on_sharded_parameters_is_not_its_base_optimizer(ranks, fosi_bounds, case):
+    # Adam alone, given the same gradients, ends outside the bound on every coordinate: the equality above
+    # holds for FOSI's Newton step, not for a run without it.
+    _, bound = fosi_bounds[case]
+    seen = ranks[0][case]
+    assert bool(((seen["base"] - seen["plain"]).abs() > bound).all())
+
+
+def test_fosi_keeps_the_sharded_models_gradients_and_refuses_a_double_backward_through_fsdp(ranks):
+    for result in ranks:
+        seen = result["fosi_fsdp"]
+        assert seen["grads_kept"]
+        assert seen["double_backward"] is not None and "fully_shard" in seen["double_backward"]
+        assert "hvp='central_difference'" in seen["double_backward"]
+        # The products by DTensor arithmetic (not fully_shard) are the plain ones, bit for bit.
+        assert result["fosi_explicit"]["double_backward_equal"]
+
+
+@pytest.mark.parametrize("case", ["fosi_fsdp", "fosi_explicit"])
+def test_fosi_all_reduces_the_stated_bytes(ranks, case):
+    # One ESE of m = 6 float64 Lanczos iterations with 2 Gram-Schmidt passes: 8 * 2 * m (m - 1) / 2 bytes of
+    # coefficients, 4 float64 per iteration and 1 at the last, then ||w||^2 for the step of the differences;
+    # each of the 3 steps: V g and V u (r = 2 float64 each) and its largest gradient entry, the first step also
+    # the state's largest entry.
+    m, passes, r = FOSI_KW["num_lanczos_iters"], 2, FOSI_KW["k"]
+    ese = 8 * passes * m * (m - 1) // 2 + 32 * (m - 1) + 8 + 8
+    steps = FOSI_STEPS * (2 * 8 * r + 8) + 8
+    for result in ranks:
+        seen = result[case]
+        assert seen["bytes"] == ese + steps
+        assert seen["calls"] == passes * (m - 1) + m + 1 + FOSI_STEPS * 3
+
+
+def test_fosi_keeps_each_ranks_coordinates(ranks):
+    # Rank 0 holds 7 + 7 rows of the first layer and 2 + 2 of the second (70 coordinates), rank 1 the rest (50):
+    # its part of each Lanczos vector; a replicated parameter's eigenvectors whole on every rank.
+    assert ranks[0]["fosi_fsdp"]["d_shape"] == (FOSI_KW["num_lanczos_iters"], 70)
+    assert ranks[1]["fosi_fsdp"]["d_shape"] == (FOSI_KW["num_lanczos_iters"], 50)
+    assert all(result["fosi_explicit"]["eigenvectors"] == (FOSI_KW["k"], 3) for result in ranks)
+
+
 def test_unsupported_optimizers_refuse_dtensors(ranks):
     for result in ranks:
         refusals = result["refusals"]
-        for name in ("FOSI", "KFACPreconditioner"):
+        for name in ("DHO2", "KFACPreconditioner"):
             assert refusals[name] is not None and "does not support DTensor" in refusals[name], refusals[name]
         assert "track_error_norm" in refusals["track_error_norm"]
         assert "mixed with plain tensors" in refusals["mixed"]
@@ -743,6 +947,8 @@ def test_ranks_with_other_settings_fail_naming_the_setting(ranks):
         message = result["refusals"]["disagree"]
         assert message is not None and "param_groups[0].lr" in message
         assert "rank 0 has 0.1" in message and "rank 1 has 0.2" in message
+        message = result["refusals"]["fosi_disagree"]  # FOSI's own settings are compared too
+        assert message is not None and "k: rank 0 has 2, rank 1 has 3" in message, message
 
 
 def test_a_nan_or_inf_on_one_rank_skips_the_step_on_every_rank(ranks):
@@ -809,7 +1015,7 @@ def test_a_dcp_checkpoint_of_two_ranks_resumes_on_one_rank_bit_for_bit(ranks, na
     assert "torch.distributed.checkpoint reshards it" in refused, refused
 
 
-@pytest.mark.parametrize("name", [name for name in CHECKPOINT_SETTINGS if name not in RESHARDABLE])
+@pytest.mark.parametrize("name", [name for name in CHECKPOINT_SETTINGS if name not in (*RESHARDABLE, "FOSI")])
 def test_window_checkpoints_refuse_another_number_of_ranks(ranks, name):
     seen = ranks[0]["checkpoints"]["one_rank"][name]
     # Through DCP: its own size check where the window's shape changes with the ranks (the rank-stacked rows),
@@ -824,6 +1030,17 @@ def test_window_checkpoints_refuse_another_number_of_ranks(ranks, name):
     refused = seen["per_rank_refused"]
     assert refused is not None and "sharded over 2 ranks" in refused and "over 1" in refused, refused
     assert "cannot reshard" in refused and "torch.distributed.checkpoint reshards" not in refused, refused
+
+
+def test_fosi_checkpoints_refuse_another_number_of_ranks(ranks):
+    # FOSI keeps each rank's rows of V and of Adam's state: through DCP (which reshards those DTensors) the
+    # optimizer refuses, naming both numbers of ranks; the per-rank state dict's DTensors are refused as well.
+    seen = ranks[0]["checkpoints"]["one_rank"]["FOSI"]
+    refused = seen["dcp_refused"]
+    assert refused is not None and "saved for sharded over 2 ranks, this optimizer has sharded over 1 ranks" in refused
+    assert "FOSI cannot reshard its state" in refused, refused
+    refused = seen["per_rank_refused"]
+    assert refused is not None and "sharded over 2 ranks" in refused and "over 1" in refused, refused
 
 
 def test_a_ranks_part_saved_on_another_number_of_ranks_is_refused():
