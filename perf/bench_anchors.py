@@ -20,9 +20,10 @@ The anchors are read from checkouts of their repositories under ``--anchors`` (d
 ``.anchors/``, filled by ``make anchors``); hsivan/fosi also needs ``torchopt``. A pair whose
 checkout is missing is reported as skipped; a checkout that is there but does not import stops
 the run with the error and how to fix it. Sizes are ``perf.bench_optimizer_step``'s: ``demo``
-(the CPU default, one thread), ``resnet18`` (GPU), ``shrunk`` (``--smoke``).
+and ``cnn`` (the CPU default, one thread: the demo's MLP and a CIFAR-size small ResNet),
+``resnet18`` (added by default on a GPU), ``shrunk`` (``--smoke``).
 
-    python -m perf.bench_anchors [--smoke] [--anchors DIR] [--sizes demo resnet18] [--repeats 7] [--profile 8]
+    python -m perf.bench_anchors [--smoke] [--anchors DIR] [--sizes demo cnn resnet18] [--repeats 7] [--profile 8]
 
 ``--profile N`` then runs each side's step under ``cProfile`` and prints, per pair, the ``N``
 functions where each step spends the most of its own time (host time: on a GPU the kernels run
@@ -199,8 +200,8 @@ def parser():
                              smoke_help="the shrunk size only, one repeat: checks the script in seconds")
     p.add_argument("--anchors", type=Path, default=DEFAULT_ANCHORS, metavar="DIR",
                    help="folder of the anchors' checkouts (default: .anchors/, see `make anchors`)")
-    p.add_argument("--sizes", nargs="+", choices=["demo", "resnet18"], default=None,
-                   help="default: demo and resnet18 on a GPU, demo on the CPU")
+    p.add_argument("--sizes", nargs="+", choices=["demo", "cnn", "resnet18"], default=None,
+                   help="default: demo, cnn and resnet18 on a GPU, demo and cnn on the CPU")
     p.add_argument("--repeats", type=harness.positive_int, default=7,
                    help="alternating measurements of each side; the median is reported (default 7)")
     p.add_argument("--profile", type=harness.positive_int, default=None, metavar="N",
@@ -215,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.smoke:
         sizes, repeats, min_iterations = ["shrunk"], 1, 3
     else:
-        sizes = args.sizes or (["demo", "resnet18"] if device.type == "cuda" else ["demo"])
+        sizes = args.sizes or (["demo", "cnn", "resnet18"] if device.type == "cuda" else ["demo", "cnn"])
         repeats, min_iterations = args.repeats, (20 if device.type == "cuda" else 40)
     print(f"{NAME}: device {harness.device_name()}, tritonopt backend {primary}, anchors from {args.anchors}")
     rows, claims, profiles = [], [], []

@@ -21,6 +21,12 @@ Sizes:
 
 * ``demo``: the demo's 64-256-256-10 MLP (85,002 parameters), batches of 32, the demo's
   hyperparameters (``perf/_optimizers.py``; GGT and S-GGT: M-FAC's window and density, lr 1e-3);
+* ``cnn``: a small ResNet (``perf/_models.py``: a stem and three BasicBlocks of 16, 32 and 64
+  channels, 78,042 parameters) on 32x32 images, batches of 64: a CIFAR-size convolutional
+  model that one CPU thread trains, where K-FAC's factors come from unfolded patches (up to
+  577 x 577) and the convolutions, not the optimizer's fixed cost, dominate the iteration;
+  windows of 128 gradients at 1 % in blocks of 16384, K-FAC eigendecompositions every 10
+  steps, FOSI's ESE (k = 4) every 50;
 * ``resnet18``: ResNet-18 (11,689,512 parameters, ``perf/_models.py``) on 224x224 images,
   batches of 32 (GPU only): windows of m = 1024 gradients, 1 % density in blocks of 16384,
   rank 4, K-FAC eigendecompositions every 10 steps, FOSI's ESE every 100;
@@ -56,7 +62,7 @@ import tritonopt
 from perf import _harness as harness
 from perf import _optimizers as optimizers
 from perf._digits import make_mlp
-from perf._models import resnet18
+from perf._models import resnet18, small_resnet
 from tritonopt.optim import GGT, MFAC, LowRankMFAC, SparseAdaGrad, SparseGGT, SparseMFAC
 
 NAME = "optimizer_step"
@@ -82,6 +88,9 @@ SIZES = {
     "demo": Size("demo", lambda: make_mlp(0), 32, (64,), 10, window=128, block_size=optimizers.SPARSE_BLOCK,
                  kfac_inv_every=optimizers.KFAC_SETTINGS["inv_update_steps"],
                  fosi=optimizers.fosi_hyperparameters(DEMO_STEPS_PER_EPOCH)),
+    "cnn": Size("cnn", lambda: small_resnet(8), 32, (3, 32, 32), 10, window=128, block_size=16384,
+                kfac_inv_every=10,
+                fosi=dict(lr=1e-3, base="adam", k=4, l=0, alpha=0.1, curvature_update_every=50)),
     "resnet18": Size("resnet18", lambda: resnet18(), 32, (3, 224, 224), 1000, window=1024, block_size=16384,
                      kfac_inv_every=10,
                      fosi=dict(lr=1e-3, base="adam", k=10, l=0, alpha=0.1, curvature_update_every=100)),
