@@ -21,10 +21,10 @@ Sizes:
 
 * ``demo``: the demo's 64-256-256-10 MLP (85,002 parameters), batches of 32, the demo's
   hyperparameters (``perf/_optimizers.py``; GGT and S-GGT: M-FAC's window and density, lr 1e-3);
-* ``cnn``: a small ResNet (``perf/_models.py``: a stem and three BasicBlocks of 16, 32 and 64
-  channels, 78,042 parameters) on 32x32 images, batches of 64: a CIFAR-size convolutional
+* ``cnn``: a small ResNet (``perf/_models.py``: a stem and three BasicBlocks of 8, 16 and 32
+  channels, 19,954 parameters) on 32x32 images, batches of 32: a CIFAR-size convolutional
   model that one CPU thread trains, where K-FAC's factors come from unfolded patches (up to
-  577 x 577) and the convolutions, not the optimizer's fixed cost, dominate the iteration;
+  288 x 288) and the convolutions, not the optimizer's fixed cost, dominate the iteration;
   windows of 128 gradients at 1 % in blocks of 16384, K-FAC eigendecompositions every 10
   steps, FOSI's ESE (k = 4) every 50;
 * ``resnet18``: ResNet-18 (11,689,512 parameters, ``perf/_models.py``) on 224x224 images,

@@ -193,7 +193,7 @@ class PackedOptimizer(PackedCheckpoints, Optimizer):
     SHARDING_REFUSAL: Optional[str] = (
         "its state and update are computed over the whole parameter vector, and on shards each rank would "
         "compute them from its own shard only; the optimizers that step sharded parameters are SparseAdaGrad, "
-        "MFAC, SparseMFAC, GGT, SparseGGT, LowRankMFAC and FlatSGD"
+        "MFAC, SparseMFAC, GGT, SparseGGT, LowRankMFAC, FlatSGD and FOSI"
     )
 
     def __init__(self, params: Iterable, defaults: dict, on_nonfinite: str = "skip"):
