@@ -7,6 +7,11 @@ environment changes asked for; what each rank returns travels back through
 ``torch.save`` bytes, so CPU tensors outlive the process that made them. A rank
 that raises, or a run that exceeds its time, fails with every rank's traceback
 instead of hanging the caller.
+
+:func:`collect_from_ranks` is the same launcher for runs in which a rank dies or
+stalls on purpose (the fault tests): each rank sends what it sees as it goes,
+joins its process group itself (with the timeouts the scenario needs), and
+ends without a teardown; the caller says when it has seen enough.
 """
 
 from __future__ import annotations
@@ -18,13 +23,13 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_on_ranks"]
+__all__ = ["RankChannel", "collect_from_ranks", "free_port", "run_on_ranks"]
 
 
 def free_port() -> int:
@@ -159,3 +164,110 @@ def run_on_ranks(
                    if r not in outputs and f"rank {r} exited" not in "".join(errors)]
         raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
     return [outputs[r] for r in range(world_size)]
+
+
+class RankChannel:
+    """A rank's side of :func:`collect_from_ranks`: where to rendezvous, and the line to the caller."""
+
+    def __init__(self, rank: int, init_method: str, results):
+        self.rank = rank
+        self.init_method = init_method  # for dist.init_process_group, with the scenario's own timeout
+        self._results = results
+
+    def put(self, key: str, value: Any = None) -> None:
+        """Send ``(rank, key, value)`` to the caller now (``value``: anything ``torch.save`` writes)."""
+        self._results.put((self.rank, key, _to_bytes(value)))
+
+    def exit(self, code: int = 0) -> NoReturn:
+        """Deliver what was put, then end this process at once: no teardown, a group may be broken."""
+        self._results.close()
+        self._results.join_thread()
+        os._exit(code)
+
+
+def _channel_worker(rank, world_size, init_method, fn, args, results, env):
+    channel = RankChannel(rank, init_method, results)
+    try:
+        torch.set_num_threads(1)
+        _set_environment(env)
+        fn(rank, world_size, channel, *args)
+    except BaseException:  # report the failure to the caller instead of hanging it
+        channel.put("error", traceback.format_exc())
+    channel.exit(0)
+
+
+def collect_from_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    done: Callable[[list], bool],
+    timeout: float,
+    on_timeout: str = "raise",
+    start_method: str = "spawn",
+    preload: Sequence[str] = (),
+    env: Optional[Mapping[str, Optional[str]]] = None,
+    grace: float = 0.0,
+) -> tuple[list[tuple[int, str, Any]], dict[int, Optional[int]]]:
+    """Run ``fn(rank, world_size, channel, *args)`` on each rank; collect what the ranks send.
+
+    ``channel`` is the rank's :class:`RankChannel`: ``fn`` joins its process group
+    at ``channel.init_method`` and sends ``channel.put(key, value)`` as it goes; a
+    rank may die or stall on purpose. The reports, ``[(rank, key, value)]`` in order
+    of arrival, are collected until ``done(reports)`` is true; then every rank still
+    running after ``grace`` seconds is killed.
+
+    Args:
+        done: when the caller has seen enough (called after each report, and before the first).
+        timeout: seconds to wait for ``done``.
+        on_timeout: ``"raise"`` (a ``RuntimeError`` listing the reports so far) or
+            ``"return"`` (what arrived; the caller judges it).
+        start_method: ``"spawn"`` or ``"forkserver"``; ``preload``: modules the
+            forkserver imports once for every rank (a start then costs about a second).
+        env: environment variables to set in each rank first (``None`` removes one).
+        grace: seconds the ranks get to end on their own once ``done`` (a rank that
+            exits with a code of its own, to be checked).
+
+    Returns:
+        The reports, and each rank's exit code (``-9`` where it was killed here).
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message), or ``timeout``
+            passed with ``on_timeout="raise"``.
+    """
+    if on_timeout not in ("raise", "return"):
+        raise ValueError(f"on_timeout must be 'raise' or 'return', got {on_timeout!r}")
+    ctx = mp.get_context(start_method)
+    if preload:
+        ctx.set_forkserver_preload(list(preload))
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_channel_worker, daemon=True,
+                         args=(rank, world_size, init_method, fn, args, results, dict(env or {})))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    reports: list[tuple[int, str, Any]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while not done(reports):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if on_timeout == "return":
+                    break
+                raise RuntimeError(f"timed out after {timeout} s; the ranks reported {[r[:2] for r in reports]}")
+            try:
+                rank, key, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            value = _from_bytes(payload, weights_only=False)
+            if key == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            reports.append((rank, key, value))
+    finally:
+        ends = time.monotonic() + grace
+        for p in procs:
+            p.join(timeout=max(0.0, ends - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    return reports, {rank: p.exitcode for rank, p in enumerate(procs)}

@@ -16,8 +16,6 @@ import torch
 from _perf import perf_module
 
 _ranks = perf_module("_ranks")
-_free_port = _ranks.free_port
-_to_bytes = _ranks._to_bytes
 
 
 def run_on_ranks(
@@ -31,3 +29,10 @@ def run_on_ranks(
     interpret = os.environ.get("TRITON_INTERPRET", "1" if not torch.cuda.is_available() else "0")
     return _ranks.run_on_ranks(world_size, fn, *args, timeout=timeout, teardown=teardown,
                                env={"TRITON_INTERPRET": interpret})
+
+
+def collect_from_ranks(world_size: int, fn: Callable[..., Any], *args: Any, **options: Any):
+    """:func:`perf._ranks.collect_from_ranks` (runs in which a rank dies or stalls on purpose), with the
+    Triton interpreter in each rank as in :func:`run_on_ranks`; ``options`` are that function's."""
+    interpret = os.environ.get("TRITON_INTERPRET", "1" if not torch.cuda.is_available() else "0")
+    return _ranks.collect_from_ranks(world_size, fn, *args, env={"TRITON_INTERPRET": interpret}, **options)

@@ -12,15 +12,12 @@ torch and tritonopt once, so a scenario costs about a second plus the stall.
 from __future__ import annotations
 
 import datetime
-import os
-import queue
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _distributed import collect_from_ranks
 
 import tritonopt
 from tritonopt.dist._comm import CountingCommunicator
@@ -111,67 +108,41 @@ FAULTY = {("DHO2", "startup"): 1, ("DHO2", "lanczos"): 1, ("DHO2", "update"): 1,
           ("MRDHO2", "startup"): 2, ("MRDHO2", "lanczos"): 1, ("MRDHO2", "update"): 3}
 
 
-def _rank_main(rank, world, port, layer, phase, kind, results):
-    torch.set_num_threads(1)
+def _rank_main(rank, world, channel, layer, phase, kind):
     faulty = FAULTY[(layer, phase)]
 
     def fault():
-        results.put((rank, "fault", kind, time.monotonic()))
+        channel.put("fault", (kind, "", time.monotonic()))
         if kind == "kill":
-            results.close()
-            results.join_thread()
-            os._exit(1)
+            channel.exit(1)
         time.sleep(TIMEOUT + 2 * SLACK)
-        os._exit(0)
+        channel.exit(0)
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=channel.init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         with tritonopt.use_backend("reference"):
             LAYERS[layer][0](rank, world, phase, fault, faulty)
-        results.put((rank, "returned", "", time.monotonic()))
+        channel.put("returned", ("", time.monotonic()))
     except BaseException as exc:  # noqa: BLE001  (what a survivor saw is the result)
-        results.put((rank, type(exc).__name__, str(exc), time.monotonic()))
-    results.close()
-    results.join_thread()
-    os._exit(0)  # no teardown: the group is broken
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        channel.put(type(exc).__name__, (str(exc), time.monotonic()))
 
 
 def run_fault(layer, phase, kind):
     """``(fault time, {survivor rank: (exception name, message, time)})``."""
-    ctx = mp.get_context("forkserver")
+    world, faulty = LAYERS[layer][1], FAULTY[(layer, phase)]
+
+    def seen_enough(reports):
+        survivors = {rank for rank, key, _ in reports if key != "fault" and rank != faulty}
+        return len(survivors) >= world - 1 and any(key == "fault" for _, key, _ in reports)
+
     # torch._dynamo: torch.optim imports it at the first add_param_group (seconds on a busy machine).
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "tritonopt.dist.dho2"])
-    world = LAYERS[layer][1]
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, layer, phase, kind, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    reports, fault_time = {}, None
-    deadline = time.monotonic() + 60 + TIMEOUT + 2 * SLACK
-    try:
-        while len(reports) < world - 1 or fault_time is None:
-            rank, what, message, when = results.get(timeout=max(deadline - time.monotonic(), 0.1))
-            if what == "fault":
-                fault_time = when
-            elif rank != FAULTY[(layer, phase)]:
-                reports[rank] = (what, message, when)
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
-    return fault_time, reports
+    reports, _ = collect_from_ranks(world, _rank_main, layer, phase, kind, done=seen_enough,
+                                    timeout=60 + TIMEOUT + 2 * SLACK, on_timeout="return",
+                                    start_method="forkserver", preload=["torch", "torch._dynamo", "tritonopt.dist.dho2"])
+    fault_time = next((value[2] for _, key, value in reports if key == "fault"), None)
+    survivors = {rank: (key, *value) for rank, key, value in reports if key != "fault" and rank != faulty}
+    return fault_time, survivors
 
 
 FAST = {("DHO2", "update", "kill"), ("DHO2", "lanczos", "stall"), ("MRDHO2", "lanczos", "kill"),

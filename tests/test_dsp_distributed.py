@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
-import os
-import queue
 import random
 import threading
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _distributed import _free_port, _to_bytes
+from _distributed import collect_from_ranks
 from torch import nn
 
 from tritonopt.dist import DSPSimulator, DSPStage, split_stages
@@ -200,16 +195,14 @@ def two_rank_scenarios(rank, groups):
     return out
 
 
-def two_rank_death(rank, groups, results):
+def two_rank_death(rank, groups, channel):
     """After every other scenario: rank 1 exits in the middle of training; rank 0 must raise."""
     module = split_stages(make_cnn(), boundaries=CNN_BOUNDARIES)[rank]
 
     def die(phase, batch, seconds):
         if rank == 1 and batch == 3:
-            results.put((rank, "dying", b""))
-            results.close()
-            results.join_thread()
-            os._exit(3)
+            channel.put("dying")
+            channel.exit(3)
 
     began = time.monotonic()
     error = expect_error(
@@ -219,54 +212,32 @@ def two_rank_death(rank, groups, results):
     return {"error": error, "seconds": time.monotonic() - began}
 
 
-def _worker(rank, world, port, results):
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        # new_group is collective over the world: every rank creates every group, in one order.
-        groups = {
-            "pair": dist.new_group([0, 1]),
-            "stall": dist.new_group([0, 1]),
-            "death": dist.new_group([0, 1]),
-            "all": dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=300)),
-        }
-        out = two_rank_scenarios(rank, groups) if rank < 2 else {}
-        out.update(four_rank_scenarios(rank, groups["all"]))
-        results.put((rank, "ok", _to_bytes(out)))
-        if rank < 2:
-            results.put((rank, "death", _to_bytes(two_rank_death(rank, groups, results))))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+def _worker(rank, world, channel):
+    dist.init_process_group("gloo", init_method=channel.init_method, rank=rank, world_size=world)
+    # new_group is collective over the world: every rank creates every group, in one order.
+    groups = {
+        "pair": dist.new_group([0, 1]),
+        "stall": dist.new_group([0, 1]),
+        "death": dist.new_group([0, 1]),
+        "all": dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=300)),
+    }
+    out = two_rank_scenarios(rank, groups) if rank < 2 else {}
+    out.update(four_rank_scenarios(rank, groups["all"]))
+    channel.put("ok", out)
+    if rank < 2:
+        channel.put("death", two_rank_death(rank, groups, channel))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def spawned():
     """Each rank's results, rank 0's death-scenario result, and rank 1's exit code."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, WORLD, port, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
     expected = {(r, "ok") for r in range(WORLD)} | {(1, "dying"), (0, "death")}
-    reports = {}
-    try:
-        while set(reports) != expected:
-            rank, status, value = results.get(timeout=400)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            reports[(rank, status)] = torch.load(io.BytesIO(value), weights_only=False) if value else None
-    except queue.Empty:
-        raise RuntimeError(f"the DSP run timed out; got {sorted(reports)}") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [reports[(r, "ok")] for r in range(WORLD)], reports[(0, "death")], procs[1].exitcode
+    reports, exit_codes = collect_from_ranks(WORLD, _worker, done=lambda got: {r[:2] for r in got} >= expected,
+                                             timeout=400, grace=10)
+    by_key = {(rank, key): value for rank, key, value in reports}
+    return [by_key[(r, "ok")] for r in range(WORLD)], by_key[(0, "death")], exit_codes[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,12 @@ factor all-reduce of 2 ranks is one of the cases of ``tests/test_dist_contract.p
 
 import datetime
 import os
-import queue
-import socket
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _distributed import collect_from_ranks
 from torch import nn
 
 TIMEOUT = 3.0  # seconds: KAISA's groups
@@ -98,63 +95,29 @@ def run_scenario(rank, point, action, faulty):
         return (type(exc).__name__, time.time() - began, str(exc))
 
 
-def worker(rank, port, plan, results):
-    torch.set_num_threads(1)
+def worker(rank, world, channel, plan):
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=HARNESS_TIMEOUT))
-        import tritonopt
-        from tritonopt.dist.kaisa import KAISAPreconditioner
+    dist.init_process_group("gloo", init_method=channel.init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=HARNESS_TIMEOUT))
+    import tritonopt
+    from tritonopt.dist.kaisa import KAISAPreconditioner
 
-        with tritonopt.use_backend("reference"):
-            inherited = KAISAPreconditioner(make_model()).timeout
-            results.put((rank, "inherited", inherited.total_seconds()))
-            for point, action, faulty in plan:
-                results.put((rank, (point, action), run_scenario(rank, point, action, faulty)))
-        results.put((rank, "done", None))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        results.close()
-        results.join_thread()
-        os._exit(0)  # no teardown collective with a dead peer
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with tritonopt.use_backend("reference"):
+        channel.put("inherited", KAISAPreconditioner(make_model()).timeout.total_seconds())
+        for point, action, faulty in plan:
+            channel.put((point, action), run_scenario(rank, point, action, faulty))
+    channel.put("done")
 
 
 def run_plan(plan, deadline=240.0):
     """Run ``plan`` (a list of ``(point, action, faulty rank)``) on WORLD ranks; what each survivor reported."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, plan, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    reports = {r: {} for r in range(WORLD)}
     expected_done = WORLD - sum(action == "kill" for _, action, _ in plan)
-    done = 0
-    end = time.time() + deadline
-    try:
-        while done < expected_done:
-            try:
-                rank, key, value = results.get(timeout=max(0.1, end - time.time()))
-            except queue.Empty:
-                raise AssertionError(f"ranks still running after {deadline} s: {reports}") from None
-            if key == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            reports[rank][key] = value
-            done += key == "done"
-    finally:
-        for p in procs:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-    return reports
+    reports, _ = collect_from_ranks(WORLD, worker, plan, timeout=deadline,
+                                    done=lambda got: sum(key == "done" for _, key, _ in got) == expected_done)
+    by_rank = {r: {} for r in range(WORLD)}
+    for rank, key, value in reports:
+        by_rank[rank][key] = value
+    return by_rank
 
 
 def check_survivors(reports, point, action, faulty, collectives):
