@@ -61,7 +61,7 @@ class AnchorPair:
     """
 
     name: str
-    anchor: str  # "owner/repository"
+    anchor: str  # "owner/repository", and how it is configured where two pairs differ in that
     build_tritonopt: Callable[[torch.nn.Module], TrainStep]
     build_anchor: Callable[[torch.nn.Module], TrainStep]
     period: int = 1

@@ -10,6 +10,11 @@ damping 0.3, eigendecompositions every 5 steps, KL clip 1e-3, lr 0.1); elsewhere
 
 kfac-pytorch is read from a checkout (``<anchors>/kfac-pytorch``, pure Python); run on one
 process it keeps every layer's factors and eigendecompositions locally, like tritonopt's.
+
+Two pairs: kfac-pytorch as it comes (``update_factors_in_hook=True``: it folds each batch's
+factor statistics into the running averages in its backward hooks, so that work counts in its
+iteration but not its step), and kfac-pytorch folding them in ``step()``, as tritonopt does (so
+that a refused step leaves them untouched): there the two steps do the same work.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ def settings_at(size) -> tuple[float, dict]:
 class KFACPytorchStep(optimizers.OptimizerStep):
     """SGD-momentum on kfac-pytorch's preconditioned gradients; its hooks run in forward/backward."""
 
-    def __init__(self, model: torch.nn.Module, kfac_module, lr: float, settings: dict):
+    def __init__(self, model: torch.nn.Module, kfac_module, lr: float, settings: dict, *, fold_in_hooks: bool = True):
         super().__init__(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=SGD_MOMENTUM))
         self.preconditioner = kfac_module.KFACPreconditioner(
             model, lr=lambda step: self.optimizer.param_groups[0]["lr"],
-            compute_method="eigen", compute_eigenvalue_outer_product=True, **settings,
+            compute_method="eigen", compute_eigenvalue_outer_product=True, update_factors_in_hook=fold_in_hooks,
+            **settings,
         )
 
     def update(self) -> None:
@@ -75,7 +81,8 @@ def load(anchors_dir: Path):
 
 
 def pairs(anchors_dir: Path, size) -> list[AnchorPair]:
-    """K-FAC + SGD-momentum, tritonopt's and kfac-pytorch's, at ``size``'s settings.
+    """K-FAC + SGD-momentum, tritonopt's and kfac-pytorch's (folding in its hooks, and in its step), at
+    ``size``'s settings.
 
     Agreement (lockstep, at the demo's size, 15 steps: 3 eigen periods). Each update is a
     product of eigenbases from ``eigh`` of 256 x 256 float32 factors: LAPACK's backward error is
@@ -86,9 +93,14 @@ def pairs(anchors_dir: Path, size) -> list[AnchorPair]:
     module = load(anchors_dir)
     lr, settings = settings_at(size)
     period = settings["inv_update_steps"]
-    return [AnchorPair(
-        name="KFAC+SGD", anchor="gpauloski/kfac-pytorch",
-        build_tritonopt=lambda model: optimizers.KFACStep(model, lr=lr, momentum=SGD_MOMENTUM, **settings),
-        build_anchor=lambda model: KFACPytorchStep(model, module, lr, settings),
-        period=period, agreement_steps=3 * period, rtol=2e-5, settings=dict(lr=lr, **settings),
-    )]
+    return [
+        AnchorPair(
+            name="KFAC+SGD", anchor=anchor,
+            build_tritonopt=lambda model: optimizers.KFACStep(model, lr=lr, momentum=SGD_MOMENTUM, **settings),
+            build_anchor=lambda model, fold_in_hooks=fold_in_hooks: KFACPytorchStep(
+                model, module, lr, settings, fold_in_hooks=fold_in_hooks),
+            period=period, agreement_steps=3 * period, rtol=2e-5, settings=dict(lr=lr, **settings),
+        )
+        for anchor, fold_in_hooks in (("gpauloski/kfac-pytorch", True),
+                                      ("gpauloski/kfac-pytorch, folding in step()", False))
+    ]
