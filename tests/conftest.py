@@ -101,6 +101,16 @@ def tritonopt_use_backend(backend: str):
 
 
 @pytest.fixture
+def on_reference():
+    """Run the test's optimizer logic on the reference path: the kernels equal it (their own tests and
+    each optimizer's triton-against-reference test), in a fraction of the interpreter's time."""
+    import tritonopt
+
+    with tritonopt.use_backend("reference"):
+        yield
+
+
+@pytest.fixture
 def device() -> torch.device:
     """Where kernel tests put their tensors: the GPU when there is one, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

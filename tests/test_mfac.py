@@ -198,6 +198,7 @@ def test_error_feedback_invariant_holds_bitwise():
         assert torch.equal(row + error_after, error_before + flat(grads))
 
 
+@pytest.mark.usefixtures("on_reference")
 def test_without_error_feedback_the_error_stays_zero_and_the_steps_differ():
     hyper = dict(lr=0.05, ngrads=4, damp=0.1, density=0.1, block_size=16)
     params_ef, params_plain = make_params(SHAPES), make_params(SHAPES)
@@ -232,6 +233,7 @@ def test_triton_and_reference_paths_agree_step_by_step():
         torch.testing.assert_close(ring_t["dots"].cpu(), ring_r["dots"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("on_reference")
 def test_parameters_without_grad_keep_their_value_and_state():
     params = make_params(SHAPES)
     opt = SparseMFAC(params, lr=0.1, ngrads=3, damp=0.1, density=0.25, block_size=16, momentum=0.5)
@@ -269,6 +271,7 @@ def test_per_group_windows_give_each_group_its_own_hyperparameters():
     (MFAC, dict(ngrads=3, damp=0.1)),
     (SparseMFAC, dict(ngrads=3, damp=0.1, density=0.25, block_size=16)),
 ], ids=["mfac", "sparse"])
+@pytest.mark.usefixtures("on_reference")
 def test_groups_that_differ_only_in_step_rules_share_one_fisher(cls, hyper):
     # The common "no weight decay on biases" split: the curvature is the whole model's, so
     # with equal step rules the two groups step exactly like one group.
@@ -446,6 +449,7 @@ def test_a_tiny_damp_does_not_cancel_the_update_away(damp):
     assert float((update - exact).norm() / exact.norm()) < 1e-5
 
 
+@pytest.mark.usefixtures("on_reference")
 def test_max_update_norm_clips_the_preconditioned_update():
     # The window holds gradients only, so both runs precondition the same vectors: each
     # clipped step is the free one shortened to the limit, or left alone below it.

@@ -178,12 +178,15 @@ def test_trains_a_small_regression():
     model = torch.nn.Linear(8, 1)
     opt = SparseAdaGrad(model.parameters(), lr=0.3, density=0.25, block_size=8)
     losses = []
-    for _ in range(60):
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    # The algorithm's convergence, on the reference path: the kernels equal it bit for bit
+    # (test_triton_and_reference_paths_agree_bitwise_step_by_step), 50x slower in the interpreter.
+    with tritonopt.use_backend("reference"):
+        for _ in range(60):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
     assert losses[-1] < 0.05 * losses[0]
 
 
