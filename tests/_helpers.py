@@ -34,6 +34,18 @@ def run_steps(params, opt, stream) -> None:
         opt.step()
 
 
+def regression_losses(model: torch.nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int = 60) -> list[float]:
+    """Each step's mean-squared-error loss while ``opt`` fits ``model(x)`` to ``y``."""
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def flat(tensors) -> torch.Tensor:
     """The tensors' values end to end in one new 1-D tensor (detached from autograd)."""
     return torch.cat([t.detach().reshape(-1) for t in tensors])

@@ -6,7 +6,8 @@ density-100 % reduction, backends, checkpoints and bad input."""
 
 import pytest
 import torch
-from _helpers import BACKENDS, flat, gradient_stream, make_params, needs_triton, run_steps, set_grads
+from _helpers import (BACKENDS, flat, gradient_stream, make_params, needs_triton, regression_losses, run_steps,
+                      set_grads)
 from conftest import to_backend_device
 
 import tritonopt
@@ -350,15 +351,7 @@ def test_trains_a_small_regression():
 
 def train_regression(opt_cls, kw, x, y):
     model = torch.nn.Linear(8, 1)
-    opt = opt_cls(model.parameters(), lr=0.2, ngrads=8, damp=1.0, **kw)
-    losses = []
-    for _ in range(60):
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return regression_losses(model, opt_cls(model.parameters(), lr=0.2, ngrads=8, damp=1.0, **kw), x, y)
 
 
 @pytest.mark.gpu

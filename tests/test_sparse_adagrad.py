@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from _helpers import gradient_stream, make_params, needs_triton, run_steps, set_grads
+from _helpers import gradient_stream, make_params, needs_triton, regression_losses, run_steps, set_grads
 from conftest import to_backend_device
 
 import tritonopt
@@ -177,16 +177,10 @@ def test_trains_a_small_regression():
     y = x @ torch.randn(8, 1)
     model = torch.nn.Linear(8, 1)
     opt = SparseAdaGrad(model.parameters(), lr=0.3, density=0.25, block_size=8)
-    losses = []
     # The algorithm's convergence, on the reference path: the kernels equal it bit for bit
     # (test_triton_and_reference_paths_agree_bitwise_step_by_step), 50x slower in the interpreter.
     with tritonopt.use_backend("reference"):
-        for _ in range(60):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = regression_losses(model, opt, x, y)
     assert losses[-1] < 0.05 * losses[0]
 
 
