@@ -423,10 +423,10 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
             self._store_factors(self.layers[i], a, g)
         for i, data in eigen.items():
             self.layers[i].eigen = data
+        # nu may lie below float32's normal range when P is huge: scale in float64, round once
+        # (nu = 1 leaves P as it is, bit for bit).
+        unscaled = kl_scale is None or kl_scale == 1.0
         for i in order:
-            # nu may lie below float32's normal range when P is huge: scale in float64, round once
-            # (nu = 1 leaves P as it is, bit for bit).
-            unscaled = kl_scale is None or kl_scale == 1.0
             self.layers[i].write_grad(preconditioned[i] if unscaled else wide[i] * kl_scale)
         self.last_kl_scale = None if kl_scale is None else torch.tensor(kl_scale, dtype=torch.float64)
         self.steps += 1
