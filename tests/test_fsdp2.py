@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from _distributed import run_on_ranks
+from _kaisa_fsdp2 import KAISA_CASES, KAISA_STEPS, kaisa_scenario
 
 WORLD = 2
 STEPS = 5
@@ -771,6 +772,7 @@ def _scenario(rank, world, directory):
     out["flat_sgd"] = _flat_sgd_together(rank, mesh)
     out["checkpoints"] = _checkpoints(rank, mesh, directory)
     out["local_rows"] = [p.to_local().shape[0] for p in _sharded_model(mesh).parameters()]
+    out["kaisa"] = kaisa_scenario(rank, mesh, directory)
     return out
 
 
@@ -938,6 +940,7 @@ def test_unsupported_optimizers_refuse_dtensors(ranks):
         refusals = result["refusals"]
         for name in ("DHO2", "KFACPreconditioner"):
             assert refusals[name] is not None and "does not support DTensor" in refusals[name], refusals[name]
+        assert "KAISAPreconditioner" in refusals["KFACPreconditioner"]
         assert "track_error_norm" in refusals["track_error_norm"]
         assert "mixed with plain tensors" in refusals["mixed"]
 
@@ -1063,3 +1066,52 @@ def test_a_ranks_part_saved_on_another_number_of_ranks_is_refused():
     after = opt.state_dict()
     assert all(torch.equal(after["state"][key]["momentum_buffer"], entry["momentum_buffer"])
                for key, entry in before["state"].items())
+
+
+# ---------------------------------------------------------------------- K-FAC (KAISA) on FSDP2
+
+
+@pytest.mark.parametrize("case", list(KAISA_CASES))
+def test_kaisa_on_a_fully_sharded_model_equals_kaisa_unsharded_bit_for_bit(ranks, case):
+    # Same data per rank, same averaged gradients: KAISA gathers each layer's whole gradient, so the
+    # factors, P, the KL clip and every parameter agree exactly (tests/_kaisa_fsdp2.py).
+    for result in ranks:
+        seen = result["kaisa"][case]
+        assert seen["stepped"] and seen["preconditioned"]
+        assert seen["exact"]
+    assert ranks[0]["kaisa"][case]["local_rows"] == [7, 7, 2, 2]
+    assert ranks[1]["kaisa"][case]["local_rows"] == [6, 6, 1, 1]
+
+
+def test_kaisa_keeps_its_strategy_on_the_shard_mesh(ranks):
+    # MEM-OPT (1 gradient worker per layer on 2 ranks) broadcasts P; COMM-OPT does not.
+    for result in ranks:
+        assert result["kaisa"]["mem_opt"]["grad_broadcast"]
+        assert not result["kaisa"]["comm_opt"]["grad_broadcast"]
+
+
+def test_kaisa_gathers_the_stated_bytes_per_step(ranks):
+    from tritonopt.dist.kaisa_sharded import expected_gather_bytes
+
+    # Linear(5, 13) and Linear(13, 3): weights 13 x 5 and 3 x 13, biases 13 x 1 and 3 x 1, on 2 ranks.
+    per_step = expected_gather_bytes([(13, 5), (13, 1), (3, 13), (3, 1)], 2)
+    assert per_step == {"sent": 4 * (7 * 5 + 7 + 2 * 13 + 2), "received": 4 * (7 * 5 + 7 + 2 * 13 + 2)}
+    for result in ranks:
+        for case in KAISA_CASES:
+            assert result["kaisa"][case]["gather"] == (KAISA_STEPS, KAISA_STEPS * per_step["sent"],
+                                                       KAISA_STEPS * per_step["received"])
+
+
+@pytest.mark.parametrize("source", ["own", "rank0"])
+def test_kaisa_on_fsdp2_resumes_bit_for_bit(ranks, source):
+    for result in ranks:
+        assert result["kaisa"]["checkpoint"][source]
+        assert result["kaisa"]["checkpoint"]["steps"] == KAISA_STEPS
+
+
+def test_kaisa_refuses_what_it_cannot_shard_naming_it(ranks):
+    for result in ranks:
+        refusals = result["kaisa"]["refusals"]
+        assert "Shard(dim=1)" in refusals["columns"] and "Shard(0)" in refusals["columns"], refusals["columns"]
+        assert "plain-tensor parameters" in refusals["mixed"] and "['2']" in refusals["mixed"], refusals["mixed"]
+        assert "damping" in refusals["disagree"], refusals["disagree"]

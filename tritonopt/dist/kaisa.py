@@ -120,6 +120,7 @@ from tritonopt.dist.kaisa_assignment import (  # noqa: F401 (re-exported)
     valid_grad_worker_fractions,
 )
 from tritonopt.dist.kaisa_reduce import FactorReducer
+from tritonopt.dist.kaisa_sharded import ShardedLayerGradients
 from tritonopt.optim.kfac import BaseKFACPreconditioner
 from tritonopt.optim.kfac_functional import Decomposition, kfac_eigen_data, kfac_precondition
 
@@ -265,6 +266,8 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         )
         self.strategy = strategy_of(self.grad_workers, self.world_size)
         super().__init__(model, **kwargs)
+        # An FSDP2 model's layers: their whole gradients are gathered each step (see kaisa_sharded).
+        self.sharded = ShardedLayerGradients.of(self.layers, self.world_size, "KAISAPreconditioner")
         self.layout = layout
         self.colocate_factors = colocate_factors
         self.symmetry_aware = symmetry_aware
@@ -295,6 +298,13 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
                 self._groups[ranks] = self._world_group
             elif len(ranks) > 1 and ranks not in self._groups:
                 self._groups[ranks] = self._new_group(ranks)
+        if self.sharded is not None:
+            for ranks in self.sharded.shard_groups:
+                if len(ranks) == self.world_size:
+                    self._groups.setdefault(ranks, self._world_group)
+                elif len(ranks) > 1 and ranks not in self._groups:
+                    self._groups[ranks] = self._new_group(ranks)
+            self.sharded.group = self._groups.get(self.sharded.my_group)
         if self.world_size > 1:
             self.reducer = FactorReducer(
                 self.layers, self._factor_all_reduce, comm_dtype=self.factor_comm_dtype,
@@ -366,6 +376,8 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         checksum = hashlib.blake2b(digest_size=8)
         for layer in self.layers:
             for p in layer.module.parameters(recurse=False):
+                if self.sharded is not None:  # each rank holds other rows: only the layout can be compared
+                    continue
                 checksum.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
         settings = {
             "layers": tuple((l.name, type(l.module).__name__, l.a_dim, l.g_dim, l.has_bias, l.weight.dtype)
@@ -379,9 +391,24 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
                      "assignment_cost", "bucket_cap_mb", "accumulation_steps", "timeout", "g_batch_scale",
                      "prediv", "compute_method", "factor_dtype", "inv_dtype", "precision", "on_nonfinite"):
             settings[name] = getattr(self, name)
+        if self.sharded is not None:
+            settings.update(self.sharded.settings())
         return settings
 
     # ------------------------------------------------------------------ the step
+
+    def read_gradients(self) -> dict[int, torch.Tensor]:
+        """The layers' whole ``[g, a]`` gradients; on a sharded model gathered over the shard group."""
+        if self.sharded is None:
+            return super().read_gradients()
+        with nvtx_range(f"tritonopt/{self.algorithm}/grad_allgather"):
+            return self.sharded.gather(self._collectives)
+
+    def write_gradient(self, index: int, matrix: torch.Tensor) -> None:
+        if self.sharded is None:
+            super().write_gradient(index, matrix)
+        else:
+            self.sharded.write(index, matrix)
 
     @torch.no_grad()
     def step(self) -> bool:

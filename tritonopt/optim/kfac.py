@@ -61,13 +61,18 @@ from torch import nn
 
 from tritonopt._validation import check_bool
 from tritonopt.optim._kfac_layers import KFACLayer, UnsupportedLayerError
-from tritonopt.optim._sharding import KFAC_SHARDING_REFUSAL, refuse_sharded
+from tritonopt.optim._sharding import refuse_sharded
 from tritonopt.optim.kfac_base import BaseKFACPreconditioner
 from tritonopt.optim.kfac_functional import kfac_precondition_layers
 
 __all__ = ["BaseKFACPreconditioner", "KFACLayer", "KFACPreconditioner", "UnsupportedLayerError"]
 
 _DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+# An FSDP2 model is trained on several ranks, whose factor statistics must be averaged.
+_SHARDED_MODEL = (
+    "it runs in one process, and a sharded model is trained on several ranks whose factor statistics must be "
+    "averaged; use tritonopt.dist.KAISAPreconditioner (same arguments), which steps FSDP2 models"
+)
 
 
 def _world_size() -> int:
@@ -97,7 +102,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         check_bool("independent_ranks", independent_ranks)
         if not isinstance(model, nn.Module):  # before anything reads its parameters
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        refuse_sharded(type(self).__name__, list(model.parameters()), KFAC_SHARDING_REFUSAL)
+        refuse_sharded(type(self).__name__, list(model.parameters()), _SHARDED_MODEL)
         if isinstance(model, _DATA_PARALLEL):
             raise ValueError(
                 f"KFACPreconditioner got a {type(model).__name__} model: each rank would fold only its own "

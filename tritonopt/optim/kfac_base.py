@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from tritonopt._runtime import nvtx_range
-from tritonopt.optim._sharding import KFAC_SHARDING_REFUSAL, refuse_sharded
 from tritonopt._validation import FLOAT_DTYPES, check_bool, check_choice
 from tritonopt.optim._kfac_arguments import (
     HYPERPARAMETERS,
@@ -138,7 +137,6 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        refuse_sharded(type(self).__name__, list(model.parameters()), KFAC_SHARDING_REFUSAL)
         hyper = dict(
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
             damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr,
@@ -218,6 +216,10 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
     def read_gradients(self) -> dict[int, torch.Tensor]:
         """``{layer index: [g, a] float32 gradient}`` for the layers that have gradients."""
         return {i: layer.grad_matrix() for i, layer in enumerate(self.layers) if layer.has_grad()}
+
+    def write_gradient(self, index: int, matrix: torch.Tensor) -> None:
+        """Put layer ``index``'s ``[g, a]`` preconditioned gradient into its parameters' ``.grad``."""
+        self.layers[index].write_grad(matrix)
 
     def nonfinite_problem(
         self,
@@ -427,7 +429,7 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         # (nu = 1 leaves P as it is, bit for bit).
         unscaled = kl_scale is None or kl_scale == 1.0
         for i in order:
-            self.layers[i].write_grad(preconditioned[i] if unscaled else wide[i] * kl_scale)
+            self.write_gradient(i, preconditioned[i] if unscaled else wide[i] * kl_scale)
         self.last_kl_scale = None if kl_scale is None else torch.tensor(kl_scale, dtype=torch.float64)
         self.steps += 1
         return True
