@@ -69,7 +69,7 @@ class _Trainer:
         return stepped
 
 
-def _compare(rank, mesh, kaisa):
+def compare(rank, mesh, kaisa):
     sharded, plain = _Trainer(_sharded(mesh), **kaisa), _Trainer(_model(), **kaisa)
     exact, changed, stepped = True, False, True
     for step in range(KAISA_STEPS):
@@ -92,7 +92,7 @@ def _compare(rank, mesh, kaisa):
             "local_rows": [p.to_local().shape[0] for p in sharded.model.parameters()]}
 
 
-def _checkpoint(rank, mesh, directory):
+def checkpoint(rank, mesh, directory, kaisa=KAISA_CASES["mem_opt"]):
     """The model and SGD through torch.distributed.checkpoint, KAISA's state (the same factors on every rank,
     each rank's eigen data) through each rank's ``state_dict()``, after 2 steps; the resumed run against the
     uninterrupted one, bit for bit. Also rank 0's KAISA state loaded on every rank: the other rank recomputes
@@ -106,7 +106,6 @@ def _checkpoint(rank, mesh, directory):
         set_optimizer_state_dict,
     )
 
-    kaisa = KAISA_CASES["mem_opt"]
     path = f"{directory}/kaisa"
 
     def state(trainer):
@@ -175,7 +174,7 @@ def _refusals(rank, mesh):
 
 def kaisa_scenario(rank, mesh, directory):
     """Everything the K-FAC tests of tests/test_fsdp2.py assert on, as this rank saw it."""
-    out = {name: _compare(rank, mesh, kaisa) for name, kaisa in KAISA_CASES.items()}
-    out["checkpoint"] = _checkpoint(rank, mesh, directory)
+    out = {name: compare(rank, mesh, kaisa) for name, kaisa in KAISA_CASES.items()}
+    out["checkpoint"] = checkpoint(rank, mesh, directory)
     out["refusals"] = _refusals(rank, mesh)
     return out

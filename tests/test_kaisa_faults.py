@@ -58,9 +58,19 @@ def make_communicator(label: str, action: str):
     return FaultyCommunicator()
 
 
-def make_model():
+def make_model(sharded: bool = False):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3))
+    if sharded:  # FSDP2 over the world: KAISA gathers each layer's gradient over KAISA's own group
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
 
 
 def run_scenario(rank, point, action, faulty):
@@ -68,9 +78,9 @@ def run_scenario(rank, point, action, faulty):
     from tritonopt.dist.kaisa import KAISAPreconditioner
 
     label = {"construction": "config_check", "factor_allreduce": "factor_allreduce",
-             "grad_broadcast": "grad_broadcast", "before_construction": None}[point]
+             "grad_broadcast": "grad_broadcast", "grad_allgather": "grad_allgather", "before_construction": None}[point]
     communicator = make_communicator(label, action) if rank == faulty and label else None
-    model = make_model()
+    model = make_model(sharded=point == "grad_allgather")
     gen = torch.Generator().manual_seed(rank)
     dist.barrier()
     began = time.time()
@@ -143,6 +153,7 @@ def stall_then_kill():
     plan = [
         ("construction", "stall", 1),
         ("grad_broadcast", "stall", 1),
+        ("grad_allgather", "stall", 3),
         ("grad_broadcast", "kill", 2),
     ]
     return run_plan(plan)
@@ -166,6 +177,7 @@ AFTER_GRAD_BROADCAST = ("the collective 'grad_broadcast' (broadcast)", "the coll
 @pytest.mark.parametrize("point,faulty,collectives", [
     ("construction", 1, ("the collective 'config_check' (all_gather_into_tensor)",)),
     ("grad_broadcast", 1, AFTER_GRAD_BROADCAST),
+    ("grad_allgather", 3, ("the collective 'grad_allgather' (all_gather_into_tensor)",)),
 ])
 def test_a_stalled_rank_makes_the_others_raise_within_the_timeout(stall_then_kill, point, faulty, collectives):
     check_survivors(stall_then_kill, point, "stall", faulty, collectives)
