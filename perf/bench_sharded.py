@@ -1,8 +1,10 @@
-"""tritonopt's optimizers on FSDP2-sharded models: state per rank, step time and bytes all-reduced, W = 1, 2, 4.
+"""tritonopt's optimizers on FSDP2-sharded models: state per rank, step time and bytes communicated, W = 1, 2, 4.
 
 Each optimizer that steps DTensor parameters (``SparseAdaGrad``, ``MFAC``, ``SparseMFAC``,
-``GGT``, ``SparseGGT``), and ``torch.optim.Adam`` beside them, steps two models on W gloo
-ranks of this machine, one torch thread each. At W >= 2 every module is ``fully_shard``'ed
+``GGT``, ``SparseGGT``), ``KAISA`` (``KAISAPreconditioner`` in front of SGD with momentum,
+COMM-OPT, eigendecompositions every 10 steps) and ``torch.optim.Adam`` beside them, steps two
+models on W gloo ranks of this machine, one torch thread each (KAISA the transformer only:
+ResNet-18's K-FAC factors, up to 4608 x 4608, take minutes to decompose on a CPU). At W >= 2 every module is ``fully_shard``'ed
 (FSDP2, a 1-D mesh) and each rank trains on its own batch; W = 1 is the unsharded
 optimizer on the plain model. The models:
 
@@ -16,22 +18,27 @@ Windows of ``ngrads = 8`` gradients; the sparse ones keep 1 % of each block of 4
 optimizer takes ``--steps`` steps (default 6) on a model built afresh; per rank:
 
 * ``state``: ``opt.state_bytes()`` (Adam: the bytes of its state tensors' local parts,
-  each storage once), after the last step;
-* ``step ms``: the median time of ``opt.step()`` over the steps after the first (which
-  allocates the state), the slowest rank's;
-* ``all-reduced``: the bytes ``opt.shard_group`` counted, per step.
+  each storage once; KAISA: ``memory_usage()["total"]`` plus SGD's momentum), after the last step;
+* ``step ms``: the median time of ``opt.step()`` (KAISA: ``kaisa.step()`` and SGD's) over the
+  steps after the first (which allocates the state), the slowest rank's;
+* ``communicated``: the bytes ``opt.shard_group`` all-reduced, per step; for KAISA the bytes its
+  gradient gather (``grad_allgather``, what sharding adds to KAISA's collectives) received.
 
 Checks (exit status 1 if one fails; the smoke run checks them too, bytes and sizes are exact):
 
 * every rank all-reduces ``8 m + 4`` bytes per step in 2 calls for the window family (the
   ``m`` float64 products ``G x`` and one float32 for the ranks' shared non-finite check),
-  ``4`` bytes in 1 call for ``SparseAdaGrad``;
+  ``4`` bytes in 1 call for ``SparseAdaGrad``; KAISA gathers ``4 (W - 1) sum ceil(r / W) c``
+  bytes in 1 call (the ``r x c`` weights and biases of its layers,
+  ``tritonopt.dist.kaisa_sharded.expected_gather_bytes``);
 * every rank's state is 1/W of W = 1's, within a stated tolerance: the replicated parts
   (the ``m x m`` float64 Gram matrix and one float32 step counter per parameter, whole on
   every rank) are added, not divided; the sharded rest may exceed its share by rank 0's
   padding (every rank pads its window to rank 0's part, which holds ``ceil(rows / W)`` rows
   of each parameter, rounded up to whole blocks for the blockwise ones; Adam's ranks hold
-  their own rows), and 1 % more either way.
+  their own rows), and 1 % more either way. KAISA's K-FAC memory (factors, statistic buffers,
+  eigen data: every layer's on every rank at COMM-OPT) is whole on every rank and must equal
+  ``kaisa.expected_memory()``; SGD's momentum is shared as Adam's state is.
 
 Times come from W processes sharing this machine's cores: with more ranks than cores, or
 other work running, they measure the machine as much as the optimizer. Bytes are exact.
@@ -75,7 +82,10 @@ NGRADS = 8
 DENSITY, BLOCK_SIZE = 0.01, 4096
 # The sharded part of a rank's state may exceed its predicted share (padding included) by this fraction.
 STATE_SLACK = 0.01
-OPTIMIZERS = ("SparseAdaGrad", "MFAC", "SparseMFAC", "GGT", "SparseGGT", "Adam")
+OPTIMIZERS = ("SparseAdaGrad", "MFAC", "SparseMFAC", "GGT", "SparseGGT", "KAISA", "Adam")
+# The models an optimizer runs on, where not all (see the module docstring).
+ONLY_ON = {"KAISA": ("transformer",)}
+KAISA_INV_UPDATE_STEPS = 10
 WINDOW_FAMILY = ("MFAC", "SparseMFAC", "GGT", "SparseGGT")
 BLOCKWISE = ("SparseAdaGrad", "SparseMFAC", "SparseGGT")
 
@@ -138,11 +148,52 @@ def build_model(workload: Workload, world: int) -> nn.Module:
     return model
 
 
-def build_optimizer(name: str, params):
+class KAISAStep:
+    """``KAISAPreconditioner`` (COMM-OPT) in front of SGD with momentum, stepped as one optimizer."""
+
+    def __init__(self, model: nn.Module):
+        import tritonopt
+
+        self.sgd = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        # out_proj's weight is used by MultiheadAttention directly, its forward never runs: no factors.
+        self.kaisa = tritonopt.dist.KAISAPreconditioner(model, lr=1e-3, skip_layers=("out_proj",),
+                                                        inv_update_steps=KAISA_INV_UPDATE_STEPS)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.sgd.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        if self.kaisa.step():
+            self.sgd.step()
+
+    def state_bytes(self) -> int:
+        return self.kaisa.memory_usage()["total"] + local_state_bytes(self.sgd)
+
+    def gathered(self) -> tuple[int, int]:
+        """(bytes received, calls) of the gradient gather so far."""
+        stats = self.kaisa.communicator.stats().get("grad_allgather")
+        return (0, 0) if stats is None else (stats.bytes_received, stats.calls)
+
+    def expected_gather_bytes(self, world: int) -> int:
+        """What the gather should receive per step, from the layers' shapes (0 on an unsharded model)."""
+        from tritonopt.dist.kaisa_sharded import expected_gather_bytes
+
+        sharded = self.kaisa.sharded
+        return 0 if sharded is None else expected_gather_bytes(sharded.row_sharded_shapes(), world)["received"]
+
+
+def runs_on(name: str, workload: Workload) -> bool:
+    return workload.name in ONLY_ON.get(name, (workload.name,))
+
+
+def build_optimizer(name: str, model: nn.Module):
     import tritonopt
 
+    params = model.parameters()
     if name == "Adam":
         return torch.optim.Adam(params, lr=1e-3)
+    if name == "KAISA":
+        return KAISAStep(model)
     settings = {
         "SparseAdaGrad": dict(lr=0.01, density=DENSITY, block_size=BLOCK_SIZE),
         "MFAC": dict(lr=1e-3, ngrads=NGRADS, damp=0.1),
@@ -177,17 +228,29 @@ def state_bytes(name: str, optimizer) -> int:
     return local_state_bytes(optimizer) if name == "Adam" else optimizer.state_bytes()
 
 
-def replicated_bytes(name: str, num_params: int) -> int:
-    """State every rank holds whole: a float32 step counter per parameter, the window's m x m float64 Gram matrix."""
-    return 4 * num_params + (8 * NGRADS * NGRADS if name in WINDOW_FAMILY else 0)
+# Optimizers whose ranks keep their own rows, unpadded (the last rank the fewest).
+OWN_ROWS = ("Adam", "KAISA")
 
 
-def all_reduced_per_step(name: str) -> tuple[int, int]:
-    """(bytes, calls) a sharded step all-reduces: the m float64 products and the float32 non-finite check."""
+def replicated_bytes(row: dict) -> int:
+    """State every rank holds whole: a float32 step counter per parameter, the window's m x m float64 Gram matrix;
+    KAISA's K-FAC memory as ``expected_memory()`` gives it (SGD keeps no step counter)."""
+    name = row["optimizer"]
+    if name == "KAISA":
+        return row["kfac_expected_bytes"]
+    return 4 * row["num_params"] + (8 * NGRADS * NGRADS if name in WINDOW_FAMILY else 0)
+
+
+def communicated_per_step(row: dict) -> tuple[int, int]:
+    """(bytes, calls) a sharded step all-reduces (the m float64 products and the float32 non-finite check), or,
+    for KAISA, gathers (the formula's bytes, computed on the rank from the layers' shapes)."""
+    name = row["optimizer"]
     if name in WINDOW_FAMILY:
         return 8 * NGRADS + 4, 2
     if name == "SparseAdaGrad":
         return 4, 1
+    if name == "KAISA":
+        return row["expected_bytes_per_step"], 1
     return 0, 0  # Adam: none of its own (FSDP2's collectives move the gradients)
 
 
@@ -208,7 +271,7 @@ def rank_columns(shapes: list[tuple], world: int, rank: int, block_size: int = 1
 def measure(rank: int, world: int, workload: Workload, name: str, steps: int) -> dict:
     """Build ``workload``'s model and ``name`` over it, take ``steps`` steps; this rank's numbers."""
     model = build_model(workload, world)
-    optimizer = build_optimizer(name, model.parameters())
+    optimizer = build_optimizer(name, model)
     step_ms = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -223,13 +286,18 @@ def measure(rank: int, world: int, workload: Workload, name: str, steps: int) ->
             raise RuntimeError(f"{name} on {workload.name}: the loss is {float(loss.detach())} at step {step}")
     group = getattr(optimizer, "shard_group", None)
     params = list(model.parameters())
+    communicated, calls = (group.bytes_all_reduced, group.all_reduce_calls) if group is not None else (0, 0)
+    extra = {}
+    if name == "KAISA":
+        communicated, calls = optimizer.gathered()
+        extra = {"kfac_expected_bytes": optimizer.kaisa.expected_memory()["total"],
+                 "expected_bytes_per_step": optimizer.expected_gather_bytes(world)}
     return {
         "rank": rank, "state_bytes": state_bytes(name, optimizer),
         "step_ms": step_ms[1:] or step_ms,  # the first step allocates the state: not timed when others are
-        "bytes_all_reduced": group.bytes_all_reduced if group is not None else 0,
-        "all_reduce_calls": group.all_reduce_calls if group is not None else 0,
+        "bytes_all_reduced": communicated, "all_reduce_calls": calls,
         "num_params": len(params), "shapes": [tuple(p.shape) for p in params],
-        "parameters": sum(p.numel() for p in params),
+        "parameters": sum(p.numel() for p in params), **extra,
     }
 
 
@@ -238,6 +306,8 @@ def _rank_main(rank: int, world: int, config: dict) -> list[dict]:
     rows = []
     for workload in workloads(config["smoke"]):
         for name in config["optimizers"]:
+            if not runs_on(name, workload):
+                continue
             began = time.perf_counter()
             rows.append({"model": workload.name, "optimizer": name, **measure(rank, world, workload, name,
                                                                                config["steps"])})
@@ -259,7 +329,8 @@ def run_world(world: int, config: dict) -> list[dict]:
                      "state_bytes": [r["state_bytes"] for r in seen],
                      "step_ms": [statistics.median(r["step_ms"]) for r in seen],
                      "bytes_all_reduced": [r["bytes_all_reduced"] for r in seen],
-                     "all_reduce_calls": [r["all_reduce_calls"] for r in seen]})
+                     "all_reduce_calls": [r["all_reduce_calls"] for r in seen],
+                     **{key: first[key] for key in ("kfac_expected_bytes", "expected_bytes_per_step") if key in first}})
     return rows
 
 
@@ -273,12 +344,12 @@ def state_bounds(row: dict, unsharded_bytes: int) -> tuple[float, float]:
     rank's the fewest.
     """
     name, world, shapes = row["optimizer"], row["world"], row["shapes"]
-    replicated = replicated_bytes(name, row["num_params"])
+    replicated = replicated_bytes(row)
     sharded = unsharded_bytes - replicated
     block = BLOCK_SIZE if name in BLOCKWISE else 1
     whole = rank_columns(shapes, 1, 0, block)
     largest_share = rank_columns(shapes, world, 0, block) / whole
-    least_share = rank_columns(shapes, world, world - 1) / whole if name == "Adam" else largest_share
+    least_share = rank_columns(shapes, world, world - 1) / whole if name in OWN_ROWS else largest_share
     return (replicated + sharded * least_share * (1 - STATE_SLACK),
             replicated + sharded * largest_share * (1 + STATE_SLACK))
 
@@ -290,7 +361,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     results = []
     for r in rows:
         world, steps = r["world"], r["steps"]
-        expected_bytes, expected_calls = all_reduced_per_step(r["optimizer"]) if world > 1 else (0, 0)
+        expected_bytes, expected_calls = communicated_per_step(r) if world > 1 else (0, 0)
         base = unsharded.get((r["model"], r["optimizer"]))
         low, high = state_bounds(r, base) if base is not None else (math.nan, math.nan)
         results.append({
@@ -319,7 +390,7 @@ def claims(results: list[dict]) -> list[harness.Claim]:
                        or r["all_reduce_calls_per_step"] != r["expected_calls_per_step"]]
         checks.append(harness.Claim(
             f"W={world}: every rank all-reduces 8 m + 4 bytes per step in 2 calls (window family), "
-            "4 bytes in 1 call (SparseAdaGrad)", not wrong_bytes,
+            "4 bytes in 1 call (SparseAdaGrad); KAISA gathers the formula's bytes in 1 call", not wrong_bytes,
             "; ".join(f"{r['model']} {r['optimizer']}: {r['bytes_all_reduced_per_step']:g} B in "
                       f"{r['all_reduce_calls_per_step']:g} calls per step, expected {r['expected_bytes_per_step']} B "
                       f"in {r['expected_calls_per_step']}" for r in wrong_bytes) or f"{len(mine)} runs",
@@ -336,7 +407,7 @@ def claims(results: list[dict]) -> list[harness.Claim]:
 
 
 HEADERS = ["model", "W", "optimizer", "state MiB per rank", "x W / W=1", "step ms (median)",
-           "all-reduced B/step", "formula B/step"]
+           "communicated B/step", "formula B/step"]
 
 
 def table_rows(results: list[dict]) -> list[list]:
@@ -369,7 +440,9 @@ def write_outputs(results: list[dict], checks: list[harness.Claim], out_dir: Pat
         f"{args.steps} step{'s' if args.steps > 1 else ''} per optimizer; windows of m = {NGRADS}; the sparse ones "
         f"keep {100 * DENSITY:g} % of each block of {BLOCK_SIZE}. State: the largest rank's; step: the slowest rank's "
         + ("median over the steps after the first" if args.steps > 1 else "one step, the state's allocation included")
-        + "; all-reduced: what `opt.shard_group` counted per step (W = 1: no collective). "
+        + "; communicated: what `opt.shard_group` all-reduced per step, for KAISA what its gradient gather "
+        "received (W = 1: no collective); KAISA: COMM-OPT in front of SGD with momentum, eigendecompositions "
+        f"every {KAISA_INV_UPDATE_STEPS} steps. "
         "`x W / W=1`: the state per rank times W over W = 1's (1 = an exact 1/W share).",
         "",
         "| " + " | ".join(HEADERS) + " |",

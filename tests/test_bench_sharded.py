@@ -81,7 +81,8 @@ def test_smoke_run_covers_every_model_world_and_optimizer(bench):
     rows = read_csv(out / "sharded.csv")
     assert {(r["model"], r["world"], r["optimizer"]) for r in rows} == {
         (model, str(world), name) for model in ("resnet18", "transformer") for world in (1, 2)
-        for name in bench.OPTIMIZERS}
+        for name in bench.OPTIMIZERS if model in bench.ONLY_ON.get(name, (model,))}
+    assert any(r["optimizer"] == "KAISA" for r in rows)
     for row in rows:
         if row["world"] == "2" and row["optimizer"] != "Adam":
             assert float(row["bytes_all_reduced_per_step"]) == float(row["expected_bytes_per_step"]) > 0, row
@@ -98,3 +99,26 @@ def test_adam_ranks_hold_their_own_rows(bench):
     assert all(claim.holds for claim in checks), checks
     rows[1]["state_bytes"][1] = replicated + 40 * per_entry
     assert [claim.holds for claim in bench.claims(bench.summarise(rows))] == [True, False]
+
+
+def _kaisa_runs(kfac_on_two_ranks=None, gathered_on_two_ranks=None):
+    """KAISA over SHAPES at W = 1 and 2 (3 steps), as they should be unless told otherwise: K-FAC's memory whole
+    on every rank, SGD's momentum (4 bytes an entry) each rank's own rows, the gather the formula's bytes."""
+    kfac = 10_000
+    per_step = 4 * (7 * 5 + 2 * 13 + 4)  # rank 0's chunks of each Shard(0) parameter, received from rank 1
+    one = _row(1, [kfac + 4 * 111], [0], [0], name="KAISA")
+    two = _row(2, [(kfac_on_two_ranks or kfac) + 4 * 65, kfac + 4 * 46],
+               gathered_on_two_ranks or [3 * per_step, 3 * per_step], [3, 3], name="KAISA")
+    for row in (one, two):
+        row["kfac_expected_bytes"] = kfac
+    one["expected_bytes_per_step"], two["expected_bytes_per_step"] = 0, per_step
+    return [one, two]
+
+
+@pytest.mark.parametrize("case", ["as predicted", "gather bytes", "K-FAC memory"])
+def test_kaisa_rows_are_checked_against_the_gather_formula_and_its_expected_memory(bench, case):
+    rows = {"as predicted": _kaisa_runs(),
+            "gather bytes": _kaisa_runs(gathered_on_two_ranks=[3 * 260 + 4, 3 * 260 + 4]),
+            "K-FAC memory": _kaisa_runs(kfac_on_two_ranks=10_400)}[case]
+    holds = [claim.holds for claim in bench.claims(bench.summarise(rows))]
+    assert holds == {"as predicted": [True, True], "gather bytes": [False, True], "K-FAC memory": [True, False]}[case]
