@@ -14,6 +14,15 @@ layout and world size in each parameter group as well (``get_optimizer_state_dic
 keeps only ``state`` and ``param_groups``). A checkpoint resumes on as many ranks
 as saved it, or on any number where the whole state is per coordinate
 (``RESHARDABLE``): ``torch.distributed.checkpoint`` reshards it exactly.
+
+On a 2-D (HSDP) mesh the world size is the shard dimension's: the ranks of a
+replica group hold the same state, which the ``state_dict`` shows replicated
+along the replicate dimension (``torch.distributed.checkpoint`` saves it once).
+So "as many ranks" means as many along the shard dimension, whatever the number
+of replicas: a checkpoint of an ``R x S`` mesh resumes on an ``R' x S`` mesh or
+on a 1-D mesh of ``S`` ranks (and a 1-D one of ``S`` ranks on an ``R' x S``
+mesh), each shard rank taking the state its index held; another ``S`` is
+refused, unless ``RESHARDABLE``.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from tritonopt.optim._checkpoints import (
     check_param_layout,
     param_layout,
 )
-from tritonopt.optim._sharding import is_sharded, like_param, local_tensor, rank_stacked
+from tritonopt.optim._sharding import is_sharded, like_param, local_tensor, rank_stacked, shard_world_of
 
 # Kept in every saved parameter group of a sharded optimizer too: torch.distributed.checkpoint's
 # get_optimizer_state_dict passes on only "state" and "param_groups".
@@ -94,7 +103,8 @@ class PackedCheckpoints:
         """``state_dict`` with DTensor entries as this rank's local tensors and the layout, world size and
         skipped steps at the top (from its groups when only those carry them); the groups lose those keys.
 
-        A DTensor saved on a mesh of another size than this optimizer's is refused.
+        A DTensor saved on a mesh whose shard dimension (a 1-D mesh's only one) has another size than this
+        optimizer's is refused.
         """
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
             state_dict.get("param_groups"), (list, tuple)
@@ -120,12 +130,12 @@ class PackedCheckpoints:
                 entry = dict(entry)
                 for name, value in entry.items():
                     if is_sharded(value):
-                        if value.device_mesh.size() != world:
+                        if shard_world_of(value) != world:
                             reshard = (" (torch.distributed.checkpoint reshards it: dcp.load into this "
                                        "optimizer's get_optimizer_state_dict, then set_optimizer_state_dict)"
                                        if self.RESHARDABLE else "")
                             raise ValueError(
-                                f"saved state {name!r} is sharded over {value.device_mesh.size()} ranks, and this "
+                                f"saved state {name!r} is sharded over {shard_world_of(value)} ranks, and this "
                                 f"optimizer's parameters over {world or 1}; {type(self).__name__} keeps each "
                                 "rank's part of its state and cannot reshard it: resume on as many ranks"
                                 + reshard
@@ -201,8 +211,10 @@ class PackedCheckpoints:
 
     def _world_texts(self, saved) -> tuple[str, str]:
         world = self._shards.spec.world if self._shards is not None else None
-        return (f"sharded over {saved} ranks" if saved is not None else "unsharded parameters",
-                f"sharded over {world} ranks" if world is not None else "unsharded parameters")
+        mine = f"sharded over {world} ranks" if world is not None else "unsharded parameters"
+        if self._shards is not None and self._shards.spec.mesh.ndim == 2:
+            mine += f" (the shard dimension of a {self._shards.spec.replicas} x {world} mesh)"
+        return (f"sharded over {saved} ranks" if saved is not None else "unsharded parameters", mine)
 
     def _check_resharded(self, saved_state: dict, saved_groups: Sequence[dict], saved_world) -> None:
         """A checkpoint saved on another number of ranks holds every per-coordinate entry laid out for this

@@ -2,25 +2,36 @@
 
 An FSDP2 model's parameters are DTensors on a 1-D device mesh: ``Shard(0)``
 (each rank holds a slice of the rows, the last ranks fewer when the rows do not
-divide, as ``torch.chunk`` cuts them) or ``Replicate()``. The packed core packs
-each rank's local tensors (``p.to_local()``, ``p.grad.to_local()``) and writes
-the updates into them; the process group is the mesh's. What the optimizers
-need from here:
+divide, as ``torch.chunk`` cuts them) or ``Replicate()``. On a 2-D (HSDP) mesh,
+``init_device_mesh(..., (R, S), mesh_dim_names=("replicate", "shard"))``, they
+are ``(Replicate(), Shard(0))`` or ``(Replicate(), Replicate())``: the rows are
+cut over the ``S`` ranks of the second (shard) dimension, and the ``R`` ranks of
+the first (replicate) dimension that share a shard index hold the same shards.
+FSDP2 averages the gradients over all ``R * S`` ranks, so the ranks of one
+replica group see the same gradients and compute alike: every sum over
+coordinates is taken over the shard dimension's ranks only, and ``world`` and
+``rank`` (:class:`ShardSpec`) are along that dimension (a 1-D mesh is its own
+shard dimension, with one replica). The packed core packs each rank's local
+tensors (``p.to_local()``, ``p.grad.to_local()``) and writes the updates into
+them. What the optimizers need from here:
 
 * :func:`shard_spec`: the mesh of a parameter list, or ``None`` for plain
   tensors, refusing what no optimizer here handles (mixed lists, several
-  meshes, 2-D meshes, other placements);
+  meshes, meshes of 3 or more dimensions, a 2-D mesh sharded along its
+  replicate dimension, other placements);
 * :func:`refuse_sharded`: the construction-time refusal of an optimizer that
   does not handle DTensors;
-* :class:`ShardGroup`: the collectives a sharded optimizer runs, with the bytes
-  they moved, and :meth:`ShardGroup.check_agree`, which makes ranks with another
-  configuration fail naming the setting;
+* :class:`ShardGroup`: the collectives a sharded optimizer runs (over the shard
+  dimension's process group), with the bytes they moved, and
+  :meth:`ShardGroup.check_agree`, which makes ranks of the mesh (every replica
+  group's too) with another configuration fail naming the setting;
 * :func:`local_coordinates`: where a rank's local coordinates sit in the whole
-  vector, and which of them count in a sum over the ranks (a replicated
-  parameter's on one rank only);
+  vector, and which of them count in a sum over the shard dimension's ranks (a
+  replicated parameter's on one rank only);
 * the conversion of state between local tensors (what the optimizer keeps)
-  and DTensors (what its ``state_dict`` shows, so that
-  ``torch.distributed.checkpoint`` saves each rank's part).
+  and DTensors on the parameters' mesh (what its ``state_dict`` shows, so that
+  ``torch.distributed.checkpoint`` saves each rank's part; on a 2-D mesh
+  replicated along the replicate dimension, so that it saves each shard once).
 """
 
 from __future__ import annotations
@@ -61,13 +72,45 @@ def _placement_name(p) -> str:
     return ", ".join(str(placement) for placement in p.placements)
 
 
+def is_row_sharded(p) -> bool:
+    """Whether ``p`` is a DTensor whose rows are cut over its mesh's shard dimension (the last one)."""
+    return is_sharded(p) and isinstance(p.placements[-1], Shard)
+
+
+def shard_world_of(t) -> int:
+    """The number of ranks along the shard dimension (the last) of DTensor ``t``'s mesh."""
+    if not is_sharded(t):
+        raise ValueError(f"shard_world_of needs a DTensor, got {type(t).__name__}")
+    mesh = t.device_mesh
+    return mesh.size(mesh.ndim - 1)
+
+
+def rows_placements(p, dim: int) -> list:
+    """The placements of a tensor laid out like ``p`` whose dimension ``dim`` holds ``p``'s rows: ``p``'s, with a
+    ``Shard(0)`` made ``Shard(dim)``."""
+    if not is_sharded(p):
+        raise ValueError(f"rows_placements needs a DTensor parameter, got {type(p).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        raise ValueError(f"rows_placements: dim must be an int >= 0, got {dim!r}")
+    return [Shard(dim) if isinstance(placement, Shard) else placement for placement in p.placements]
+
+
 @dataclass
 class ShardSpec:
-    """The mesh every DTensor parameter of an optimizer lives on (1-D: ``world`` ranks)."""
+    """The mesh every DTensor parameter of an optimizer lives on, and this rank's place on it.
+
+    ``world`` and ``rank``: along the mesh's shard dimension, over which the
+    parameters' rows are cut (a 1-D mesh's only dimension; an HSDP mesh's
+    second, ``"shard"``). ``replicas`` and ``replica``: along its replicate
+    dimension (an HSDP mesh's first; 1 and 0 on a 1-D mesh), whose ranks hold
+    the same shards and compute alike.
+    """
 
     mesh: object
     world: int
     rank: int
+    replicas: int = 1
+    replica: int = 0
 
     def local_rows(self, rows: int, rank: int) -> int:
         """Rows of a ``Shard(0)`` dimension of ``rows`` on ``rank``, as ``torch.chunk`` (and FSDP2) cut them."""
@@ -78,15 +121,11 @@ class ShardSpec:
         """The most elements any rank holds of ``params``: rank 0's, which gets the first, fullest chunks."""
         total = 0
         for p in params:
-            if _is_row_sharded(p):
+            if is_row_sharded(p):
                 total += self.local_rows(p.shape[0], 0) * math.prod(p.shape[1:])
             else:
                 total += p.numel()
         return total
-
-
-def _is_row_sharded(p) -> bool:
-    return is_sharded(p) and isinstance(p.placements[0], Shard)
 
 
 @dataclass
@@ -96,9 +135,10 @@ class Coordinates:
     The whole vector is every parameter flattened whole, in order, as an unsharded
     optimizer lays them out: ``total`` entries. ``indices`` (int64, one per local
     coordinate) are their positions there. ``counted`` (float64, 1 or 0 per local
-    coordinate) makes each coordinate count once in a sum over the ranks: a
-    ``Replicate()`` parameter, which every rank holds whole, counts on rank 0
-    only. None when every local coordinate counts (no replicated parameter, or rank 0).
+    coordinate) makes each coordinate count once in a sum over the shard
+    dimension's ranks: a ``Replicate()`` parameter, which every rank holds whole,
+    counts on (shard) rank 0 only. None when every local coordinate counts (no
+    replicated parameter, or rank 0).
     """
 
     indices: torch.Tensor
@@ -107,11 +147,16 @@ class Coordinates:
 
 
 def local_coordinates(params: Sequence[torch.Tensor], spec: ShardSpec) -> Coordinates:
-    """The :class:`Coordinates` of this rank's parts of ``params`` (each ``Shard(0)`` or ``Replicate()``)."""
+    """The :class:`Coordinates` of this rank's parts of ``params`` (each ``Shard(0)`` or ``Replicate()`` along the
+    shard dimension)."""
+    if not isinstance(spec, ShardSpec):
+        raise ValueError(f"local_coordinates needs a ShardSpec, got {type(spec).__name__}")
+    if not params:
+        raise ValueError("local_coordinates needs at least one parameter")
     indices, counted, start, replicated = [], [], 0, False
     for p in params:
         numel = p.numel()
-        if _is_row_sharded(p):
+        if is_row_sharded(p):
             row = math.prod(p.shape[1:])
             chunk = -(-p.shape[0] // spec.world) if p.shape[0] else 0
             first = min(spec.rank * chunk, p.shape[0])
@@ -128,9 +173,14 @@ def local_coordinates(params: Sequence[torch.Tensor], spec: ShardSpec) -> Coordi
 
 
 def shard_spec(owner: str, params: Sequence[torch.Tensor]) -> Optional[ShardSpec]:
-    """The mesh of ``params`` (all DTensors on one 1-D mesh, ``Shard(0)`` or ``Replicate()``), None for plain tensors.
+    """The mesh of ``params``, None for plain tensors.
 
-    Anything else raises ``ValueError`` naming what is not supported.
+    Supported: all DTensors on one device mesh, either 1-D with each parameter
+    ``Shard(0)`` or ``Replicate()`` (FSDP2's ``fully_shard``), or 2-D (HSDP) with
+    each ``(Replicate(), Shard(0))`` or ``(Replicate(), Replicate())``: replicated
+    along the first (replicate) dimension, sharded by rows or replicated along the
+    second (shard) one. Anything else raises ``ValueError`` naming what is not
+    supported.
     """
     sharded = [p for p in params if is_sharded(p)]
     if not sharded:
@@ -145,20 +195,42 @@ def shard_spec(owner: str, params: Sequence[torch.Tensor]) -> Optional[ShardSpec
         if p.device_mesh != mesh:
             raise ValueError(f"{owner} needs all DTensor parameters on one device mesh, found {mesh} and "
                              f"{p.device_mesh}")
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"{owner} supports DTensor parameters on a 1-D device mesh (FSDP2's fully_shard), got a "
-            f"{mesh.ndim}-D mesh {tuple(mesh.shape)}; 2-D (HSDP) meshes are not supported"
+            f"{owner} supports DTensor parameters on a 1-D device mesh (FSDP2's fully_shard) or a 2-D one "
+            f"(HSDP: replicate, shard), got a {mesh.ndim}-D mesh {tuple(mesh.shape)}{_dim_names(mesh)}"
         )
     for p in sharded:
-        placement = p.placements[0]
-        if not (isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0)):
+        *outer, placement = p.placements
+        if any(not isinstance(other, Replicate) for other in outer):
             raise ValueError(
-                f"{owner} supports DTensor parameters sharded along their first dimension (Shard(0), as "
-                f"fully_shard makes them) or replicated, got a parameter of shape {tuple(p.shape)} with "
-                f"placement {_placement_name(p)}"
+                f"{owner} supports DTensor parameters on a 2-D (HSDP) mesh that are replicated along its first "
+                f"(replicate) dimension, as fully_shard makes them, got a parameter of shape {tuple(p.shape)} with "
+                f"placements ({_placement_name(p)}) on the mesh {tuple(mesh.shape)}{_dim_names(mesh)}: a "
+                f"placement other than Replicate() on the replicate dimension is not supported"
             )
-    return ShardSpec(mesh=mesh, world=mesh.size(), rank=mesh.get_local_rank())
+        if not (isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0)):
+            if mesh.ndim == 1:
+                raise ValueError(
+                    f"{owner} supports DTensor parameters sharded along their first dimension (Shard(0), as "
+                    f"fully_shard makes them) or replicated, got a parameter of shape {tuple(p.shape)} with "
+                    f"placement {_placement_name(p)}"
+                )
+            raise ValueError(
+                f"{owner} supports DTensor parameters on a 2-D (HSDP) mesh sharded along their first dimension "
+                f"(Shard(0), as fully_shard makes them) or replicated along its second (shard) dimension, got a "
+                f"parameter of shape {tuple(p.shape)} with placements ({_placement_name(p)}) on the mesh "
+                f"{tuple(mesh.shape)}{_dim_names(mesh)}"
+            )
+    if mesh.ndim == 1:
+        return ShardSpec(mesh=mesh, world=mesh.size(), rank=mesh.get_local_rank())
+    return ShardSpec(mesh=mesh, world=mesh.size(1), rank=mesh.get_local_rank(1), replicas=mesh.size(0),
+                     replica=mesh.get_local_rank(0))
+
+
+def _dim_names(mesh) -> str:
+    names = getattr(mesh, "mesh_dim_names", None)
+    return f" (dimensions {tuple(names)})" if names else ""
 
 
 def refuse_sharded(owner: str, params: Sequence[torch.Tensor], why: str) -> None:
@@ -180,8 +252,13 @@ def _digest(value) -> int:
 
 @dataclass
 class ShardGroup:
-    """The collectives of a sharded optimizer over its mesh's process group, counted.
+    """The collectives of a sharded optimizer over its mesh's shard dimension, counted.
 
+    ``group`` is the process group of the shard dimension (a 1-D mesh's own; an
+    HSDP mesh's second dimension), over which every sum over coordinates and every
+    shared decision is all-reduced: the ranks of one replica group hold the same
+    data, so each shard group decides what the others do. ``replica_group`` is the
+    replicate dimension's (None on a 1-D mesh), used by :meth:`check_agree` only.
     ``bytes_all_reduced`` and ``all_reduce_calls`` count what :meth:`all_reduce`
     sent (each rank's tensor, in bytes); the agreement check is not counted.
     """
@@ -190,9 +267,17 @@ class ShardGroup:
     bytes_all_reduced: int = 0
     all_reduce_calls: int = 0
     group: object = field(default=None, repr=False)
+    replica_group: object = field(default=None, repr=False)
 
     def __post_init__(self):
-        self.group = self.spec.mesh.get_group()
+        if not isinstance(self.spec, ShardSpec):
+            raise ValueError(f"ShardGroup needs a ShardSpec, got {type(self.spec).__name__}")
+        mesh = self.spec.mesh
+        if mesh.ndim == 1:
+            self.group = mesh.get_group()
+        else:
+            self.group = mesh.get_group(mesh.ndim - 1)
+            self.replica_group = mesh.get_group(0)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         self.bytes_all_reduced += tensor.numel() * tensor.element_size()
@@ -215,22 +300,55 @@ class ShardGroup:
         values = torch.where(values.isfinite(), values, torch.full_like(values, math.inf))
         return self.all_reduce(values, dist.ReduceOp.MAX).tolist()
 
-    def check_agree(self, owner: str, settings: dict) -> None:
-        """``ValueError`` on every rank, naming each differing setting and every rank's value, unless all agree.
+    def _rank_names(self) -> list[str]:
+        """How :meth:`check_agree` names each rank of the mesh, in the order it gathers them."""
+        if self.replica_group is None:
+            return [f"rank {r}" for r in range(self.spec.world)]
+        ranks = self.spec.mesh.mesh.reshape(self.spec.replicas, self.spec.world).tolist()
+        return [f"rank {ranks[i][j]} (replicate {i}, shard {j})"
+                for i in range(self.spec.replicas) for j in range(self.spec.world)]
 
-        One all-gather of one 63-bit digest per setting; the values themselves travel only when some differ.
-        """
-        names = sorted(settings)
-        mine = torch.tensor([_digest(settings[name]) for name in names], dtype=torch.int64)
+    def _gather_tensors(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """``mine`` from every rank of the mesh: over the shard dimension, then those over the replicate one."""
         gathered = [torch.empty_like(mine) for _ in range(self.spec.world)]
         dist.all_gather(gathered, mine, group=self.group)
+        if self.replica_group is None:
+            return gathered
+        rows = torch.stack(gathered)
+        replicas = [torch.empty_like(rows) for _ in range(self.spec.replicas)]
+        dist.all_gather(replicas, rows, group=self.replica_group)
+        return [row for replica in replicas for row in replica]
+
+    def _gather_objects(self, mine) -> list:
+        gathered = [None] * self.spec.world
+        dist.all_gather_object(gathered, mine, group=self.group)
+        if self.replica_group is None:
+            return gathered
+        replicas = [None] * self.spec.replicas
+        dist.all_gather_object(replicas, gathered, group=self.replica_group)
+        return [value for replica in replicas for value in replica]
+
+    def check_agree(self, owner: str, settings: dict) -> None:
+        """``ValueError`` on every rank of the mesh, naming each differing setting and every rank's value, unless
+        all agree (on a 2-D mesh, the ranks of every replica group too).
+
+        One all-gather of one 63-bit digest per setting (two on a 2-D mesh: over the shard dimension, then over
+        the replicate one); the values themselves travel only when some differ.
+        """
+        if not isinstance(settings, dict):
+            raise ValueError(f"check_agree needs the settings as a dict, got {type(settings).__name__}")
+        names = sorted(settings)
+        mine = torch.tensor([_digest(settings[name]) for name in names], dtype=torch.int64)
+        gathered = self._gather_tensors(mine)
         differing = [name for i, name in enumerate(names) if any(int(g[i]) != int(mine[i]) for g in gathered)]
+        # A rank that differs nowhere may still see others differ among themselves: it compares its digest with
+        # every rank's, so any difference anywhere shows on every rank.
         if not differing:
             return
-        values = [None] * self.spec.world
-        dist.all_gather_object(values, {name: repr(settings[name]) for name in differing}, group=self.group)
+        values = self._gather_objects({name: repr(settings[name]) for name in differing})
+        labels = self._rank_names()
         details = "; ".join(
-            f"{name}: " + ", ".join(f"rank {r} has {values[r][name]}" for r in range(self.spec.world))
+            f"{name}: " + ", ".join(f"{label} has {value[name]}" for label, value in zip(labels, values))
             for name in differing
         )
         raise ValueError(f"{owner}: the ranks of the mesh were given different settings ({details}); every rank "
@@ -254,21 +372,37 @@ def like_param(local: torch.Tensor, p) -> torch.Tensor:
     A copy: ``local`` is a view into a flat buffer, and ``torch.save`` cannot write a
     DTensor over a view at an offset.
     """
+    if not is_sharded(p):
+        raise ValueError(f"like_param needs a DTensor parameter, got {type(p).__name__}")
+    if local.shape != p.to_local().shape:
+        raise ValueError(f"like_param: the local tensor has shape {tuple(local.shape)}, the parameter's local part "
+                         f"{tuple(p.to_local().shape)}")
     return DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
                               stride=_contiguous_stride(p.shape))
 
 
 def like_param_rows(local: torch.Tensor, p) -> torch.Tensor:
     """A copy of ``local`` (``[r, *local shape of p]``: ``r`` vectors laid out like ``p``) as a ``[r, *p.shape]``
-    DTensor: sharded along dimension 1 where ``p`` is ``Shard(0)``, replicated where ``p`` is."""
-    placements = [Shard(1)] if _is_row_sharded(p) else list(p.placements)
+    DTensor: sharded along dimension 1 where ``p`` is ``Shard(0)``, replicated where ``p`` is (on a 2-D mesh,
+    replicated along the replicate dimension as ``p`` is)."""
+    if not is_sharded(p):
+        raise ValueError(f"like_param_rows needs a DTensor parameter, got {type(p).__name__}")
+    if local.dim() != p.dim() + 1 or local.shape[1:] != p.to_local().shape:
+        raise ValueError(f"like_param_rows: the local tensor has shape {tuple(local.shape)}, expected [r, "
+                         f"{', '.join(map(str, p.to_local().shape))}]")
     shape = (local.shape[0], *p.shape)
-    return DTensor.from_local(local.clone(), p.device_mesh, placements, run_check=False, shape=shape,
+    return DTensor.from_local(local.clone(), p.device_mesh, rows_placements(p, 1), run_check=False, shape=shape,
                               stride=_contiguous_stride(shape))
 
 
 def rank_stacked(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """``local`` (the same shape on every rank) as the rank-``r`` slice of a ``[world * n, ...]`` DTensor."""
+    """``local`` (the same shape on every rank) as the shard-rank-``r`` slice of a ``[world * n, ...]`` DTensor
+    (on a 2-D mesh replicated along the replicate dimension: every replica holds the same slices)."""
+    if not isinstance(spec, ShardSpec):
+        raise ValueError(f"rank_stacked needs a ShardSpec, got {type(spec).__name__}")
+    if local.dim() < 1:
+        raise ValueError("rank_stacked needs a tensor of at least one dimension, got a 0-d one")
     shape = (spec.world * local.shape[0], *local.shape[1:])
-    return DTensor.from_local(local, spec.mesh, [Shard(0)], run_check=False, shape=shape,
+    placements = [Replicate()] * (spec.mesh.ndim - 1) + [Shard(0)]
+    return DTensor.from_local(local, spec.mesh, placements, run_check=False, shape=shape,
                               stride=_contiguous_stride(shape))

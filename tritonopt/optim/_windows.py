@@ -47,7 +47,7 @@ from tritonopt._validation import check_bool, check_int
 from tritonopt.ops import DEPENDENT_TOLERANCE, GRAM_SCHMIDT_EPS, sparse_ring_insert
 from tritonopt.optim._blocks import BlockLayout, kept_per_block
 from tritonopt.optim._packed import PackedGroup
-from tritonopt.optim._sharding import is_sharded
+from tritonopt.optim._sharding import is_row_sharded
 from tritonopt.optim._window_algebra import unfolded_shape
 from tritonopt.optim.functional import (
     dense_window_combine,
@@ -207,6 +207,8 @@ class LowRankWindow:
     :meth:`compress_row_sharded`). ``P_j^T P`` is a sum over rows, so each
     rank's part of ``s`` uses its own rows, and the optimizer's one all-reduce
     of ``s`` sums them; a ``Replicate()`` tensor's part counts ``1 / world``.
+    On a 2-D (HSDP) mesh "rows" and "ranks" are the shard dimension's: every
+    all-reduce here runs over it, and the ranks of a replica group compute alike.
     1-D and replicated tensors are compressed locally, as unsharded.
     """
 
@@ -269,7 +271,7 @@ class LowRankWindow:
             if shards is None:
                 lowrank_window_compress(*tensors, slot, active)
             else:  # a Shard(0) matrix is compressed over the ranks' rows; the rest locally, as unsharded
-                split = [_row_sharded(p) and p.dim() >= 2 for p in layout.tensors]
+                split = [is_row_sharded(p) and p.dim() >= 2 for p in layout.tensors]
                 local = [i for i, s in enumerate(split) if not s]
                 rows = [i for i, s in enumerate(split) if s]
                 lowrank_window_compress(*([x[i] for i in local] for x in tensors), slot, [active[i] for i in local])
@@ -283,7 +285,7 @@ class LowRankWindow:
             products = torch.zeros(ring_ps[0].shape[0], dtype=torch.float64, device=ring_ps[0].device)
             for p, ring_p, ring_q in zip(layout.tensors, ring_ps, ring_qs):
                 part = lowrank_window_products([ring_p], [ring_q], slot)
-                products += part if _row_sharded(p) else part / shards.spec.world
+                products += part if is_row_sharded(p) else part / shards.spec.world
             return products
 
     @staticmethod
@@ -358,7 +360,3 @@ class LowRankWindow:
         lowrank_window_combine([e["ring_p"] for e in entries], [e["ring_q"] for e in entries], weights,
                                packed.layout.views(direction))
         return direction
-
-
-def _row_sharded(p) -> bool:
-    return is_sharded(p) and not p.placements[0].is_replicate()

@@ -9,7 +9,7 @@ import torch
 from tritonopt._validation import check_int
 from tritonopt.optim._blocks import BlockLayout
 from tritonopt.optim._packed import PackedGroup
-from tritonopt.optim._sharding import DTensor, Shard, is_sharded
+from tritonopt.optim._sharding import DTensor, is_row_sharded, rows_placements
 from tritonopt.optim._window_algebra import mfac_weights
 from tritonopt.optim._windows import LowRankWindow
 from tritonopt.optim.windowed import WindowedPreconditioner
@@ -44,9 +44,9 @@ class LowRankMFAC(WindowedPreconditioner):
     ``dots``, ``ring_slot``, ``ring_filled``. Memory ``4 m r sum_l (n_l + p_l)``
     bytes for the window.
 
-    Sharded parameters (FSDP2's ``Shard(0)`` and ``Replicate()`` DTensors): each
-    rank keeps its rows of ``error`` and ``ring_p`` and the whole ``lowrank_q`` and
-    ``ring_q``; the power iteration's sums over rows are all-reduced (see
+    Sharded parameters (FSDP2's ``Shard(0)`` and ``Replicate()`` DTensors, on a 1-D
+    mesh or along the shard dimension of a 2-D HSDP one): each rank keeps its rows
+    of ``error`` and ``ring_p`` and the whole ``lowrank_q`` and ``ring_q``; the power iteration's sums over rows are all-reduced (see
     :meth:`LowRankWindow.compress_row_sharded <tritonopt.optim._windows.LowRankWindow.compress_row_sharded>`),
     and the result equals the unsharded optimizer's up to the order of the float32 sums.
 
@@ -105,8 +105,9 @@ class LowRankMFAC(WindowedPreconditioner):
         params = [p for group in self.param_groups for p in group["params"]]
         for key, entry in shown.items():
             p, ring_p = params[key], entry.get("ring_p")
-            if isinstance(ring_p, torch.Tensor) and is_sharded(p) and not p.placements[0].is_replicate():
+            if isinstance(ring_p, torch.Tensor) and is_row_sharded(p):
                 shape = (ring_p.shape[0], p.shape[0], ring_p.shape[2])
-                entry["ring_p"] = DTensor.from_local(ring_p.clone(), p.device_mesh, [Shard(1)], run_check=False,
-                                                     shape=shape, stride=(shape[1] * shape[2], shape[2], 1))
+                entry["ring_p"] = DTensor.from_local(ring_p.clone(), p.device_mesh, rows_placements(p, 1),
+                                                     run_check=False, shape=shape,
+                                                     stride=(shape[1] * shape[2], shape[2], 1))
         return shown

@@ -51,15 +51,18 @@ Before it allocates anything, the constructor refuses a window whose state would
 not fit in the memory its device has left (:meth:`expected_state_bytes`).
 
 Sharded parameters (DTensors of FSDP2's ``fully_shard``, ``Shard(0)`` or
-``Replicate()`` on a 1-D mesh; dense and sparse windows): each rank keeps its
-shards' columns of the window, laid end to end and padded with zeros to the
-length of the fullest rank's (rank 0's), so that every rank's window has one
-shape; a sparse window cuts each rank's part into its own blocks. Every entry of
-``s = G x`` (and so of ``dots``) is a sum over coordinates: each rank computes
-its part and one all-reduce of ``m`` float64 values sums them (a replicated
-parameter's coordinates count ``1 / world`` on each rank). The ``m x m``
+``Replicate()`` on a 1-D mesh, or ``(Replicate(), Shard(0))`` and
+``(Replicate(), Replicate())`` on a 2-D HSDP mesh; dense and sparse windows):
+each rank keeps its shards' columns of the window, laid end to end and padded
+with zeros to the length of the fullest rank's (rank 0's), so that every rank's
+window has one shape; a sparse window cuts each rank's part into its own blocks.
+Every entry of ``s = G x`` (and so of ``dots``) is a sum over coordinates: each
+rank computes its part and one all-reduce of ``m`` float64 values over the
+shard dimension's ranks sums them (a replicated parameter's coordinates count
+``1 / world`` on each rank, ``world`` the shard dimension's size). The ``m x m``
 algebra is then the same on every rank, and the combination ``w @ G`` is
-local. The gradient-norm check takes one all-reduce of one float per window
+local; on an HSDP mesh the ranks of one replica group hold the same columns and
+compute alike. The gradient-norm check takes one all-reduce of one float per window
 (``max_update_norm`` one more), so ranks skip a step together. Per rank the
 window is ``1 / world`` of the unsharded one (up to the uneven rows), and
 ``dots`` is replicated. At ``density = 1`` the result equals the unsharded
@@ -87,7 +90,7 @@ from tritonopt.optim._packed import (
     available_memory,
     bind_flat_state,
 )
-from tritonopt.optim._sharding import is_sharded, local_tensor
+from tritonopt.optim._sharding import is_row_sharded, local_tensor
 from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum, window_weights
 
 # Gradients are stored and multiplied in float32 (or bfloat16): with a gradient norm
@@ -213,7 +216,7 @@ class WindowedPreconditioner(PackedOptimizer):
                 flat.append(self.WINDOW.error_dtype(groups[0]))
             if any(g["momentum"] > 0 for g in groups):
                 flat.append(dtype)
-            if span is not None and self._shards.spec.world > 1 and not all(_row_sharded(p) for p in params):
+            if span is not None and self._shards.spec.world > 1 and not all(is_row_sharded(p) for p in params):
                 flat.append(dtype)  # the replicated parameters' column weights
             total += sum(layout_numel * torch.empty((), dtype=d).element_size() for d in flat)
             total += 4 * len(params)  # the float32 step counters
@@ -308,11 +311,11 @@ class WindowedPreconditioner(PackedOptimizer):
                     f"{tuple(value.shape)}); were ngrads, block_size or the parameters changed?"
                 )
         work = {"grad": layout.zeros(dtype)}
-        if self._shards is not None and self._shards.spec.world > 1 and any(not _row_sharded(p) for p in params):
+        if self._shards is not None and self._shards.spec.world > 1 and any(not is_row_sharded(p) for p in params):
             # A replicated parameter's coordinates are on every rank: each counts them 1 / world in the sums.
             weights = layout.zeros(dtype).fill_(1.0)
             for p, view in zip(params, layout.views(weights)):
-                if not _row_sharded(p):
+                if not is_row_sharded(p):
                     view.fill_(1.0 / self._shards.spec.world)
             work["column_weights"] = weights
         packed = PackedGroup(layout, buffers, work)
@@ -450,7 +453,3 @@ def _padded_numel(params: Sequence[torch.Tensor], block_size: int, span: Optiona
     total = max(sum(p.numel() for p in params), span or 0)
     block = max(1, min(block_size, total))
     return -(-total // block) * block
-
-
-def _row_sharded(p) -> bool:
-    return is_sharded(p) and not p.placements[0].is_replicate()
