@@ -4,8 +4,10 @@ Each rank keeps its own coordinates of every Lanczos vector and of the basis
 ``V``: the rows of each ``Shard(0)`` parameter it holds, a ``Replicate()``
 parameter whole. Every sum over coordinates (a dot product, a norm, a
 Gram-Schmidt coefficient) is the rank's partial sum, then an all-reduce through
-the optimizer's :class:`~tritonopt.optim._sharding.ShardGroup`; a replicated
-coordinate counts on rank 0 only. The Lanczos start vector is the unsharded
+the optimizer's :class:`~tritonopt.optim._sharding.ShardGroup`, over the mesh's
+shard dimension (a 1-D mesh's only one; on a 2-D HSDP mesh the ranks of a
+replica group hold the same coordinates and compute the same sums); a
+replicated coordinate counts on shard rank 0 only. The Lanczos start vector is the unsharded
 run's, cut to the rank's coordinates, so the sharded run computes what FOSI on
 the unsharded model computes, with the sums taken in another order.
 

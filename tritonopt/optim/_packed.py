@@ -29,12 +29,12 @@ are views of its slice, so the kernels run once per group while
 * :meth:`PackedOptimizer.state_bytes`: the bytes of the state and the work buffers;
 * :func:`available_memory`: what a device can still hold, to refuse an optimizer
   whose state cannot fit before it allocates anything;
-* sharded parameters (DTensors of FSDP2's ``fully_shard``, see
-  :mod:`~tritonopt.optim._sharding`): an optimizer that sets
+* sharded parameters (DTensors of FSDP2's ``fully_shard`` on a 1-D mesh or a
+  2-D HSDP one, see :mod:`~tritonopt.optim._sharding`): an optimizer that sets
   ``SHARDING_REFUSAL = None`` packs each rank's local shards and keeps its state
   per rank; every other one refuses DTensors at construction, saying why. The
-  ranks check at construction that they were given the same settings (their
-  checkpoints: :mod:`~tritonopt.optim._packed_checkpoints`).
+  ranks (every rank of the mesh) check at construction that they were given
+  the same settings (their checkpoints: :mod:`~tritonopt.optim._packed_checkpoints`).
 """
 
 from __future__ import annotations

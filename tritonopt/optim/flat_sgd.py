@@ -127,13 +127,15 @@ class FlatSGD(PackedOptimizer):
     the next step, which moves the parameters into a fresh flat buffer.
 
     Sharded parameters (DTensors of FSDP2's ``fully_shard``: ``Shard(0)`` or
-    ``Replicate()`` on a 1-D mesh) stay where FSDP2 keeps them: each step
+    ``Replicate()`` on a 1-D mesh, or along the shard dimension of a 2-D HSDP
+    mesh, replicated along its replicate one) stay where FSDP2 keeps them: each step
     copies the rank's local shards and their gradients into the group's flat
     buffers, steps them and writes the weights back, and ``zero_grad`` is
     ``torch.optim.Optimizer``'s (``set_to_none`` honoured). The update is
     elementwise, so it equals the unsharded optimizer's bit for bit; the
     momentum is the rank's part. The ranks decide alike: each step all-reduces
-    (max) one float32 per group, its largest gradient entry (4 more bytes for
+    (max, over the shard dimension's ranks: the replicas hold the same
+    values) one float32 per group, its largest gradient entry (4 more bytes for
     the weights and 4 for the momentum, per group, at a step that measures the
     bounds), so every rank skips or raises on a non-finite gradient anywhere and
     computes the same bounds; a step that could overflow all-reduces its
@@ -141,8 +143,8 @@ class FlatSGD(PackedOptimizer):
     rank's result is not finite. The ranks must rebuild their buffers together
     (they do: the first step, a load, a refused step that created state). A
     checkpoint of ``torch.distributed.checkpoint`` resumes on any number of
-    ranks: each coordinate's momentum is what was saved, and the run goes on as
-    an uninterrupted one on the new ranks would.
+    ranks and any mesh shape (1-D or HSDP): each coordinate's momentum is what
+    was saved, and the run goes on as an uninterrupted one on the new ranks would.
     """
 
     ALGO = "flat_sgd"

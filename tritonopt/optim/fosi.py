@@ -142,10 +142,12 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
             (central) or ``u^(1/2) (1 + ||w||)``, ``u`` the parameters' unit roundoff.
 
     **Sharded parameters** (DTensors of FSDP2's ``fully_shard``, ``Shard(0)`` or
-    ``Replicate()`` on a 1-D mesh): every rank builds the same FOSI and steps
-    after each backward. ``V``, the Lanczos vectors and the base optimizer's
-    state are sharded like the parameters; every sum over coordinates is the
-    ranks' partial sums all-reduced, a replicated parameter counted once
+    ``Replicate()`` on a 1-D mesh, or along the shard dimension of a 2-D HSDP
+    mesh, replicated along its replicate one): every rank builds the same FOSI
+    and steps after each backward. ``V``, the Lanczos vectors and the base
+    optimizer's state are sharded like the parameters; every sum over
+    coordinates is the shard dimension's ranks' partial sums all-reduced (an
+    HSDP mesh's replicas compute alike), a replicated parameter counted once
     (:mod:`~tritonopt.optim._fosi_sharded` lists the collectives). The products
     default to central differences: FSDP2 forms a sharded parameter's gradient in
     a reduce-scatter, which has no backward, so no double backward reaches it (a
@@ -154,8 +156,11 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
     ranks, the Hessian that of the ranks' mean ``curvature_loss_fn`` (give every
     rank the same ESE batch), and its ``backward()`` writes the gradient of every
     parameter it reaches (FOSI's own get theirs back). Ranks given other settings
-    fail at construction naming them; a ``state_dict`` or a
-    ``torch.distributed.checkpoint`` resumes on as many ranks as saved it.
+    fail at construction naming them (every rank of the mesh, replicas
+    included); a ``state_dict`` or a ``torch.distributed.checkpoint`` resumes
+    on as many ranks along the shard dimension as saved it, whatever the
+    number of replicas (an HSDP mesh's on a 1-D mesh of its shard dimension's
+    size, and the reverse).
 
     Precision: float32, float16 and bfloat16 parameters are updated through a
     float32 copy (the fused op); float64 parameters (all of them float64) keep

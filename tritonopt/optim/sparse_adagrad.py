@@ -57,16 +57,18 @@ class SparseAdaGrad(PackedOptimizer):
     state change. Sparse and complex gradients are rejected.
 
     Sharded parameters (DTensors of FSDP2's ``fully_shard``: ``Shard(0)`` or
-    ``Replicate()`` on a 1-D mesh): each rank packs its local shards and cuts
+    ``Replicate()`` on a 1-D mesh, or along the shard dimension of a 2-D HSDP
+    mesh, whose replicas step alike): each rank packs its local shards and cuts
     *them* into blocks, so the Top-k selects per block of a rank's shard, and
     the state is the rank's part. Where every entry is kept (``k`` equal to
     the block) the update is elementwise and equals the unsharded optimizer's
     bit for bit; with fewer kept entries the blocks, and so the selection,
     differ from an unsharded run's. The ranks agree on skipping a step (one
     all-reduce of one float per step). A checkpoint of
-    ``torch.distributed.checkpoint`` resumes on any number of ranks with each
-    coordinate's ``error`` and ``sum_sq`` as saved; the blocks are then cut from
-    the new ranks' shards, so with fewer kept entries the run goes on as one
+    ``torch.distributed.checkpoint`` resumes on any number of ranks (and any mesh
+    shape) with each coordinate's ``error`` and ``sum_sq`` as saved; the blocks
+    are then cut from the new ranks' shards (on the same number of shard ranks,
+    the same blocks), so with fewer kept entries the run goes on as one
     started on the new ranks from that state, not as the saved ranks' would.
     """
 
