@@ -12,14 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonopt
-from tritonopt.ops import (
-    eigen_inv_denominator,
-    eigenbasis_precondition,
-    eigenbasis_precondition_prediv,
-    kfac_factor_update,
-    triu_pack,
-    triu_unpack,
-)
+from tritonopt import ops
 from tritonopt.kernels import kfac as kernels
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
@@ -79,7 +72,7 @@ def test_factor_update_matches_direct_computation(
     dim = in_dim + append_bias
     old = spd(dim, seed, condition=10, dtype=torch.float32)
     factor = old.clone()
-    run_on_backend(backend, kfac_factor_update, factor, x, decay, append_bias=append_bias, scale=scale)
+    run_on_backend(backend, ops.kfac_factor_update, factor, x, decay, append_bias=append_bias, scale=scale)
     expected = direct_factor(old, x.float(), decay, append_bias, scale)
     # fp32 accumulation over n rows (GPU: tf32x3, any order).
     tol = 1e-5 * (expected.abs().max().item() + 1) * max(1, n) ** 0.5
@@ -112,8 +105,8 @@ def test_factor_update_reads_only_the_upper_triangle(backend):
     upper = torch.triu(torch.randn(5, 5))
     a = upper + torch.triu(upper, 1).T
     b = upper + torch.tril(torch.full((5, 5), 1e30), -1)  # garbage below the diagonal
-    run_on_backend(backend, kfac_factor_update, a, x, 0.5)
-    run_on_backend(backend, kfac_factor_update, b, x, 0.5)
+    run_on_backend(backend, ops.kfac_factor_update, a, x, 0.5)
+    run_on_backend(backend, ops.kfac_factor_update, b, x, 0.5)
     assert torch.equal(a, b)
 
 
@@ -121,7 +114,7 @@ def test_factor_update_reads_only_the_upper_triangle(backend):
 def test_factor_update_with_zero_decay_ignores_the_old_factor(backend):
     x = torch.randn(9, 4)
     factor = torch.full((5, 5), float("nan"))
-    run_on_backend(backend, kfac_factor_update, factor, x, 0.0, append_bias=True)
+    run_on_backend(backend, ops.kfac_factor_update, factor, x, 0.0, append_bias=True)
     xs = torch.cat([x, torch.ones(9, 1)], 1).double()
     assert torch.allclose(factor.double(), xs.T @ xs / 9, atol=1e-6)
 
@@ -130,7 +123,7 @@ def test_factor_update_with_zero_decay_ignores_the_old_factor(backend):
 def test_factor_update_decay_one_keeps_the_factor(backend):
     old = spd(6, 3, dtype=torch.float32)
     factor = old.clone()
-    run_on_backend(backend, kfac_factor_update, factor, torch.randn(4, 6), 1.0)
+    run_on_backend(backend, ops.kfac_factor_update, factor, torch.randn(4, 6), 1.0)
     assert torch.equal(factor, old)
 
 
@@ -153,10 +146,10 @@ def test_precondition_equals_dense_kronecker_solve(backend, prediv, g_dim, a_dim
     qa, da = eig32(a_factor)
     qg, dg = eig32(g_factor)
     if prediv:
-        inv = run_on_backend(backend, eigen_inv_denominator, dg, da, damping)
-        p = run_on_backend(backend, eigenbasis_precondition_prediv, grad, qa, qg, inv)
+        inv = run_on_backend(backend, ops.eigen_inv_denominator, dg, da, damping)
+        p = run_on_backend(backend, ops.eigenbasis_precondition_prediv, grad, qa, qg, inv)
     else:
-        p = run_on_backend(backend, eigenbasis_precondition, grad, qa, da, qg, dg, damping)
+        p = run_on_backend(backend, ops.eigenbasis_precondition, grad, qa, da, qg, dg, damping)
     assert p.dtype == torch.float32 and p.shape == grad.shape
     expected = kron_solve(grad, a_factor, g_factor, damping)
     # fp32 eigh + fp32 products: error ~ eps32 * ||grad|| / damping (rotations are orthogonal).
@@ -175,8 +168,8 @@ def test_precondition_invariant_to_eigenvector_signs(backend):
     qg, dg = eig32(g_factor)
     flips_a = torch.where(torch.arange(7) % 2 == 0, -1.0, 1.0)
     flips_g = torch.where(torch.arange(5) % 3 == 0, -1.0, 1.0)
-    p1 = run_on_backend(backend, eigenbasis_precondition, grad, qa, da, qg, dg, 0.1)
-    p2 = run_on_backend(backend, eigenbasis_precondition, grad, (qa * flips_a).contiguous(), da,
+    p1 = run_on_backend(backend, ops.eigenbasis_precondition, grad, qa, da, qg, dg, 0.1)
+    p2 = run_on_backend(backend, ops.eigenbasis_precondition, grad, (qa * flips_a).contiguous(), da,
                         (qg * flips_g).contiguous(), dg, 0.1)
     assert torch.allclose(p1, p2, atol=1e-5)
 
@@ -187,7 +180,7 @@ def test_undamped_limit_is_the_kronecker_inverse():
     qa, da = eig32(a_factor)
     qg, dg = eig32(g_factor)
     with tritonopt.use_backend("reference"):
-        p = eigenbasis_precondition(grad.float(), qa, da, qg, dg, 1e-7)
+        p = ops.eigenbasis_precondition(grad.float(), qa, da, qg, dg, 1e-7)
     expected = torch.linalg.solve(g_factor, grad) @ torch.linalg.inv(a_factor)  # paper Eq. 11
     assert torch.allclose(p.double(), expected, rtol=1e-3, atol=1e-4)
 
@@ -221,7 +214,7 @@ def test_precondition_low_precision_inputs_upcast(backend, dtype):
     grad = torch.randn(6, 8)
     qa, da = eig32(a_factor)
     qg, dg = eig32(g_factor)
-    p = run_on_backend(backend, eigenbasis_precondition, grad.to(dtype), qa.to(dtype), da, qg.to(dtype), dg, 0.1)
+    p = run_on_backend(backend, ops.eigenbasis_precondition, grad.to(dtype), qa.to(dtype), da, qg.to(dtype), dg, 0.1)
     expected = kron_solve(grad, a_factor, g_factor, 0.1)
     # Half-precision eigenvectors: about 1e-2 relative.
     assert (p.double() - expected).norm() <= 3e-2 * expected.norm()
@@ -260,8 +253,8 @@ def test_plain_tf32_would_break_the_tolerance_tf32x3_keeps():
 def test_pack_unpack_round_trip(backend, dim, dtype, seed):
     m = torch.randn(dim, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
     m = torch.triu(m) + torch.triu(m, 1).T
-    packed = run_on_backend(backend, triu_pack, m)
-    back = run_on_backend(backend, triu_unpack, packed, dim)
+    packed = run_on_backend(backend, ops.triu_pack, m)
+    back = run_on_backend(backend, ops.triu_unpack, packed, dim)
     assert packed.shape == (dim * (dim + 1) // 2,) and packed.dtype == dtype
     assert torch.equal(back, m)
     rows, cols = torch.triu_indices(dim, dim)
@@ -272,8 +265,8 @@ def test_pack_unpack_round_trip(backend, dim, dtype, seed):
 def test_pack_casts_and_scales(backend):
     m = torch.randn(13, 13)
     # A non-contiguous input (moving it to a GPU keeps its strides).
-    packed = run_on_backend(backend, triu_pack, m.T, torch.float16, scale=0.5)
-    back = run_on_backend(backend, triu_unpack, packed, 13, torch.float32, scale=4.0)
+    packed = run_on_backend(backend, ops.triu_pack, m.T, torch.float16, scale=0.5)
+    back = run_on_backend(backend, ops.triu_unpack, packed, 13, torch.float32, scale=4.0)
     rows, cols = torch.triu_indices(13, 13)
     assert packed.dtype == torch.float16
     assert torch.allclose(packed.float(), (m.T * 0.5)[rows, cols], rtol=1e-3)
@@ -307,7 +300,7 @@ def test_gpu_precondition_real_sizes_fp32_accuracy(shape):
     qa, da = eig32(a_factor)
     qg, dg = eig32(g_factor)
     with tritonopt.use_backend("triton"):  # on CUDA the op runs cuBLAS unless the kernel is forced
-        p = eigenbasis_precondition(grad, qa, da, qg, dg, 3e-3)
+        p = ops.eigenbasis_precondition(grad, qa, da, qg, dg, 3e-3)
     qa64, qg64 = qa.double(), qg.double()
     expected = qg64 @ ((qg64.T @ grad.double() @ qa64) / (torch.outer(dg.double(), da.double()) + 3e-3)) @ qa64.T
     assert (p.double() - expected).norm() <= 1e-4 * expected.norm()
@@ -320,7 +313,7 @@ def test_gpu_factor_update_real_sizes(n, in_dim):
     x = torch.randn(n, in_dim, device=dev, dtype=torch.bfloat16)
     factor = torch.eye(in_dim + 1, device=dev)
     with tritonopt.use_backend("triton"):  # on CUDA the op runs cuBLAS unless the kernel is forced
-        kfac_factor_update(factor, x, 0.95, append_bias=True)
+        ops.kfac_factor_update(factor, x, 0.95, append_bias=True)
     xs = torch.cat([x.double(), torch.ones(n, 1, device=dev, dtype=torch.float64)], 1)
     expected = 0.95 * torch.eye(in_dim + 1, device=dev, dtype=torch.float64) + 0.05 * xs.T @ xs / n
     assert torch.equal(factor, factor.T)
