@@ -10,7 +10,7 @@ STAMP := $(VENV)/.tritonopt-installed
 # pip shows what it downloads and installs; PIP_FLAGS=--quiet silences it.
 PIP_FLAGS ?=
 
-.PHONY: docs install test test-smoke test-all compile-check demo demo-reference experiments bench autotune anchors bench-anchors clean
+.PHONY: docs install test test-smoke test-multirank test-all compile-check demo demo-reference experiments bench autotune anchors bench-anchors clean
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ test: install
 # CI runs them after the default suite.
 test-smoke: install
 	$(PY) -m pytest -q -m "smoke and not slow and not gpu"
+
+# The tests that spawn 4 gloo ranks (1-D meshes of 4 and 2x2 HSDP meshes; minutes on 2 cores);
+# CI runs them after the default suite.
+test-multirank: install
+	$(PY) -m pytest -q -m multirank
 
 test-all: install
 	$(PY) -m pytest -q -m "not gpu"
