@@ -36,18 +36,14 @@ from typing import Optional, Sequence
 import torch
 
 from tritonopt.optim._kfac_layers import KFACLayer
+from tritonopt.optim._sharding import common_mesh, is_sharded
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch without DTensor: no parameter can be one
-    DTensor = None
+    from torch.distributed.tensor import Replicate, Shard
+except ImportError:  # torch without DTensor: no parameter can be one (``of`` returns None first)
     Replicate = Shard = None
 
 __all__ = ["ShardedLayerGradients", "expected_gather_bytes"]
-
-
-def _is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
 
 
 def _chunk(rows: int, count: int, index: int) -> tuple[int, int, int]:
@@ -118,21 +114,15 @@ class ShardedLayerGradients:
         ``torch.distributed`` world, or placements other than ``Replicate()`` and
         ``Shard(0)`` on one mesh dimension.
         """
-        tensors = [p for layer in layers for p in _layer_params(layer)]
-        sharded = [p for p in tensors if _is_dtensor(p)]
-        if not sharded:
-            return None
-        if len(sharded) != len(tensors):
-            plain = [layer.name for layer in layers if not all(_is_dtensor(p) for p in _layer_params(layer))]
+        plain = [layer.name for layer in layers if not all(is_sharded(p) for p in _layer_params(layer))]
+        if plain and len(plain) < len(layers):
             raise ValueError(
                 f"{owner}: layers {plain} have plain-tensor parameters while others are DTensors (FSDP2): shard "
                 "every preconditioned layer (fully_shard the root module too) or none"
             )
-        mesh = sharded[0].device_mesh
-        for p in sharded:
-            if p.device_mesh != mesh:
-                raise ValueError(f"{owner} needs every DTensor parameter on one device mesh, found {mesh} and "
-                                 f"{p.device_mesh}")
+        mesh = common_mesh(owner, [p for layer in layers for p in _layer_params(layer)])
+        if mesh is None:
+            return None
         if mesh.size() != world_size:
             raise ValueError(
                 f"{owner} averages its factors over all {world_size} ranks of torch.distributed, but the "

@@ -172,15 +172,10 @@ def local_coordinates(params: Sequence[torch.Tensor], spec: ShardSpec) -> Coordi
     return Coordinates(torch.cat(indices), once if replicated and spec.rank != 0 else None, start)
 
 
-def shard_spec(owner: str, params: Sequence[torch.Tensor]) -> Optional[ShardSpec]:
-    """The mesh of ``params``, None for plain tensors.
+def common_mesh(owner: str, params: Sequence[torch.Tensor]):
+    """The one device mesh of ``params`` (all DTensors), None when none is a DTensor.
 
-    Supported: all DTensors on one device mesh, either 1-D with each parameter
-    ``Shard(0)`` or ``Replicate()`` (FSDP2's ``fully_shard``), or 2-D (HSDP) with
-    each ``(Replicate(), Shard(0))`` or ``(Replicate(), Replicate())``: replicated
-    along the first (replicate) dimension, sharded by rows or replicated along the
-    second (shard) one. Anything else raises ``ValueError`` naming what is not
-    supported.
+    ``ValueError`` for DTensors mixed with plain tensors, or on several meshes.
     """
     sharded = [p for p in params if is_sharded(p)]
     if not sharded:
@@ -195,6 +190,23 @@ def shard_spec(owner: str, params: Sequence[torch.Tensor]) -> Optional[ShardSpec
         if p.device_mesh != mesh:
             raise ValueError(f"{owner} needs all DTensor parameters on one device mesh, found {mesh} and "
                              f"{p.device_mesh}")
+    return mesh
+
+
+def shard_spec(owner: str, params: Sequence[torch.Tensor]) -> Optional[ShardSpec]:
+    """The mesh of ``params``, None for plain tensors.
+
+    Supported: all DTensors on one device mesh, either 1-D with each parameter
+    ``Shard(0)`` or ``Replicate()`` (FSDP2's ``fully_shard``), or 2-D (HSDP) with
+    each ``(Replicate(), Shard(0))`` or ``(Replicate(), Replicate())``: replicated
+    along the first (replicate) dimension, sharded by rows or replicated along the
+    second (shard) one. Anything else raises ``ValueError`` naming what is not
+    supported.
+    """
+    mesh = common_mesh(owner, params)
+    if mesh is None:
+        return None
+    sharded = list(params)
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"{owner} supports DTensor parameters on a 1-D device mesh (FSDP2's fully_shard) or a 2-D one "
@@ -237,12 +249,6 @@ def refuse_sharded(owner: str, params: Sequence[torch.Tensor], why: str) -> None
     """``ValueError`` when any of ``params`` is a DTensor: ``owner`` cannot step sharded parameters, ``why``."""
     if any(is_sharded(p) for p in params):
         raise ValueError(f"{owner} does not support DTensor (sharded, e.g. FSDP2 fully_shard) parameters: {why}")
-
-
-KFAC_SHARDING_REFUSAL = (
-    "its factors need each layer's whole inputs and output gradients, and a sharded layer's weight is split "
-    "over the ranks; K-FAC and KAISA do not support FSDP2 models"
-)
 
 
 def _digest(value) -> int:
