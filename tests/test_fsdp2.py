@@ -253,14 +253,20 @@ CASES = {
 LOWRANK = ("LowRankMFAC", dict(lr=0.5, ngrads=NGRADS, damp=0.1, rank=2), ("lowrank", "damp"))
 # What the checkpoint cases add to CASES' settings: a selection below density 1, momentum.
 CHECKPOINT_SETTINGS = {
+    "MFAC": dict(),  # CASES' settings: no momentum, so that _window_bound bounds the resumed run
+    "GGT": dict(),
     "LowRankMFAC": dict(momentum=0.5),
     "SparseMFAC": dict(density=0.3, block_size=8, momentum=0.5),
     "SparseAdaGrad": dict(density=0.5, block_size=8),
     "FlatSGD": dict(),  # CASES' momentum already puts a momentum buffer in the checkpoint
     "FOSI": dict(),  # FOSI_CHECKPOINT_KW
 }
-# The optimizers whose state is per coordinate and laid out like the parameter: a checkpoint of them reshards.
-RESHARDABLE = ("FlatSGD", "SparseAdaGrad")
+# The optimizers whose state is per coordinate and laid out like the parameter, or the same on every rank (a dense
+# window's m x m Gram matrix and counters): a checkpoint of them reshards.
+RESHARDABLE = ("FlatSGD", "SparseAdaGrad", "MFAC", "GGT")
+# Of those, the ones whose steps sum over coordinates (the window's products): resumed on another number of ranks
+# they differ from the uninterrupted run by the order of those sums, within _window_bound.
+SUMS_OVER_COORDINATES = ("MFAC", "GGT")
 
 
 def _optimizer(name: str, params, **overrides):
@@ -679,9 +685,9 @@ def _checkpoints(rank, mesh, directory):
     return results
 
 
-def _load_dcp(model, opt, path, group):
-    """The checkpoint at ``path`` into ``model`` and ``opt`` through torch.distributed.checkpoint over ``group``;
-    None, or the refusal as text."""
+def _load_dcp(model, opt, path, group, no_dist=False):
+    """The checkpoint at ``path`` into ``model`` and ``opt`` through torch.distributed.checkpoint over ``group``
+    (``no_dist``: in this process alone, a plain model's way); None, or the refusal as text."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -694,12 +700,27 @@ def _load_dcp(model, opt, path, group):
 
     try:
         template = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        dcp.load(template, checkpoint_id=path, process_group=group)
+        dcp.load(template, checkpoint_id=path, process_group=group, no_dist=no_dist)
         set_model_state_dict(model, template["model"])
         set_optimizer_state_dict(model, opt, template["optim"])
     except (ValueError, CheckpointException) as error:  # DCP's own refusals come wrapped (a BaseException)
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def _plain_template_optimizer(name, model, **kwargs):
+    """``_optimizer`` over a plain ``model``, with state for get_optimizer_state_dict's template. torch creates it
+    by a step at lr 0 with zero gradients, unless gradients are attached: a plain FlatSGD's flat gradients are, from
+    construction, so that step is taken here (the loaded checkpoint replaces what it wrote)."""
+    opt = _optimizer(name, model.parameters(), **kwargs)
+    if name == "FlatSGD":
+        lrs = [group["lr"] for group in opt.param_groups]
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        opt.step()
+        for group, lr in zip(opt.param_groups, lrs):
+            group["lr"] = lr
+    return opt
 
 
 def _resume_on_one_rank(rank, directory, saved_on_two):
@@ -728,10 +749,12 @@ def _resume_on_one_rank(rank, directory, saved_on_two):
         if seen["dcp_refused"] is None:
             params = list(model.parameters())
             seen["params_equal"] = torch.equal(_whole(model), saved["params"])
-            seen["state_equal"] = all(
-                set(opt.state[params[key]]) == set(entry) and all(
-                    torch.equal(local := opt.state[params[key]][entry_name], value) and local.dtype == value.dtype
-                    if isinstance(value, torch.Tensor) else opt.state[params[key]][entry_name] == value
+            # Each entry as the 2 ranks' state_dict() showed it, gathered whole (a window's rows unpadded).
+            state = _whole_state(opt)
+            seen["state_equal"] = state.keys() == saved["state"].keys() and all(
+                set(state[key]) == set(entry) and all(
+                    torch.equal(mine := state[key][entry_name], value) and mine.dtype == value.dtype
+                    if isinstance(value, torch.Tensor) else state[key][entry_name] == value
                     for entry_name, value in entry.items())
                 for key, entry in saved["state"].items())
             # The plain run from the same state: the 2 ranks' state dict with every entry gathered whole.
@@ -741,16 +764,32 @@ def _resume_on_one_rank(rank, directory, saved_on_two):
                     q.copy_(value.reshape(q.shape))
             plain = _optimizer(name, plain_model.parameters(), **kwargs)
             plain.load_state_dict({**saved["per_rank"], "state": saved["state"]})
+            # The checkpoint itself loaded into a plain model in this one process.
+            dcp_model = _model()
+            dcp_opt = _plain_template_optimizer(name, dcp_model, **kwargs)
+            seen["plain_dcp_refused"] = _load_dcp(dcp_model, dcp_opt, path, None, no_dist=True)
+            kind = CASES[name][2]
+            budget = torch.zeros(())
             for gradients in saved["gradients"]:
-                for p, q, whole in zip(params, plain_model.parameters(), gradients):
+                for p, q, r, whole in zip(params, plain_model.parameters(), dcp_model.parameters(), gradients):
                     p.grad = DTensor.from_local(whole.clone(), mesh, p.placements, run_check=False)
-                    q.grad = whole.clone()
+                    q.grad, r.grad = whole.clone(), whole.clone()
                 opt.step()
                 plain.step()
+                dcp_opt.step()
+                if name in SUMS_OVER_COORDINATES:  # as in _compare_fsdp: lr * du, and theta's own rounding
+                    theta = torch.cat([q.detach().reshape(-1) for q in plain_model.parameters()]).double()
+                    budget = budget + (CASES[name][1]["lr"] * _window_bound(plain, CASES[name][1][kind[1]], kind[0])
+                                       + 2 * U32 * theta.abs())
             resumed = _whole(model)
-            seen["equals_plain"] = torch.equal(resumed, torch.cat([q.detach().reshape(-1)
-                                                                   for q in plain_model.parameters()]))
+            plain_params = torch.cat([q.detach().reshape(-1) for q in plain_model.parameters()])
+            seen["equals_plain"] = torch.equal(resumed, plain_params)
+            seen["plain_dcp_equal"] = seen["plain_dcp_refused"] is None and torch.equal(
+                torch.cat([r.detach().reshape(-1) for r in dcp_model.parameters()]), plain_params)
             seen["equals_two_ranks"] = torch.equal(resumed, saved["uninterrupted"])
+            if name in SUMS_OVER_COORDINATES:
+                gap = (resumed.double() - saved["uninterrupted"].double()).abs() / budget
+                seen["gap_over_bound"] = float(gap.max())
         results[name] = seen
     return results
 
@@ -1004,12 +1043,19 @@ def test_checkpoints_resume_bit_for_bit(ranks, name):
 def test_a_dcp_checkpoint_of_two_ranks_resumes_on_one_rank_bit_for_bit(ranks, name):
     seen = ranks[0]["checkpoints"]["one_rank"][name]
     assert seen["dcp_refused"] is None, seen
-    # Each coordinate's state and weight is what the 2 ranks saved.
+    # Each coordinate's state and weight is what the 2 ranks saved; a window's m x m Gram matrix and counters are
+    # the saved ones (every rank held the same), bit for bit.
     assert seen["params_equal"] and seen["state_equal"], seen
-    # The resumed run is the one started on 1 rank from that state (as on plain tensors, the whole state loaded).
+    # The resumed run is the one started on 1 rank from that state (as on plain tensors, the whole state loaded),
+    # and the checkpoint loaded into a plain model in one process goes on as that run too.
     assert seen["equals_plain"], seen
+    assert seen["plain_dcp_refused"] is None and seen["plain_dcp_equal"], seen
     if name == "FlatSGD":  # elementwise: also the 2 ranks' own run, given the same gradients
         assert seen["equals_two_ranks"], seen
+    elif name in SUMS_OVER_COORDINATES:
+        # The products s = G x of the resumed steps (and so the Gram matrix's new rows) sum the same float32
+        # terms in another order (1 rank's sum, not 2 ranks' partial sums added): _window_bound's difference.
+        assert seen["gap_over_bound"] <= 1.0, seen
     else:  # Top-k blocks of 8 cut from 1 rank's shard instead of 2 ranks': another selection, by design
         assert not seen["equals_two_ranks"], seen
     # The per-rank state dict holds rank 0's part only: still refused, pointing to the checkpoint that reshards.

@@ -8,12 +8,16 @@ and dtype, in order, per group); a state dict is checked whole (layout,
 hyperparameters, counters, every entry's shape and dtype, see
 :meth:`PackedCheckpoints._checkpoint_spec`) before anything is loaded.
 
-Sharded optimizers: a ``state_dict`` shows the per-rank state as DTensors (so
-that ``torch.distributed.checkpoint`` saves every rank's part) and carries its
-layout and world size in each parameter group as well (``get_optimizer_state_dict``
-keeps only ``state`` and ``param_groups``). A checkpoint resumes on as many ranks
-as saved it, or on any number where the whole state is per coordinate
-(``RESHARDABLE``): ``torch.distributed.checkpoint`` reshards it exactly.
+Every ``state_dict`` carries its layout and skipped steps in each parameter group
+as well (``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` keeps only
+``state`` and ``param_groups``), so that ``get_optimizer_state_dict`` and
+``set_optimizer_state_dict`` serve plain models too. Sharded optimizers: a
+``state_dict`` shows the per-rank state as DTensors (so that
+``torch.distributed.checkpoint`` saves every rank's part) and carries the world
+size in each group. A checkpoint resumes on as many ranks as saved it, or on any
+number (an unsharded model in one process included) where the whole state is per
+coordinate or the same on every rank (:meth:`PackedCheckpoints._reshard_refusal`
+is None): ``torch.distributed.checkpoint`` reshards it exactly.
 
 On a 2-D (HSDP) mesh the world size is the shard dimension's: the ranks of a
 replica group hold the same state, which the ``state_dict`` shows replicated
@@ -63,7 +67,26 @@ class PackedCheckpoints:
     # True where a sharded checkpoint may resume on another number of ranks: the whole state is per coordinate
     # and laid out like the parameter (LIKE_PARAM_ENTRIES) or the same on every rank (counters), so what
     # torch.distributed.checkpoint reshards onto this optimizer's parameters is each coordinate's saved state.
+    # A subclass whose answer depends on its settings overrides _reshard_refusal instead.
     RESHARDABLE: bool = False
+
+    def _reshard_refusal(self) -> Optional[str]:
+        """None where a checkpoint of this optimizer may resume on another number of ranks; else why not (the
+        end of the refusal's sentence)."""
+        if self.RESHARDABLE:
+            return None
+        return ("keeps each rank's part of its state (its shards' columns of the window, its blocks) and cannot "
+                "reshard it")
+
+    def _resharded_layout(self, name: str, value: torch.Tensor, p) -> Optional[bool]:
+        """Whether state ``name`` (``value``) of parameter ``p`` is laid out for ``p`` as this optimizer holds it
+        (a DTensor laid out like ``p``, or a tensor of its whole shape); None for an entry that is not per
+        coordinate (a counter, a replicated ``m x m`` matrix), which every rank holds alike."""
+        if name not in self.LIKE_PARAM_ENTRIES:
+            return None
+        if is_sharded(value):
+            return value.shape == p.shape and value.placements == getattr(p, "placements", None)
+        return value.shape == p.shape
 
     def _checkpoint_spec(self, index: int, group: dict, params: Sequence[torch.Tensor]) -> Optional[CheckpointSpec]:
         """What a checkpoint of group ``index`` (``group``: its saved hyperparameters) must hold; None checks nothing."""
@@ -73,12 +96,13 @@ class PackedCheckpoints:
         state = super().state_dict()
         state["skipped_steps"] = self.skipped_steps
         state[LAYOUT_KEY] = param_layout(self.param_groups)
+        metadata = {SKIPPED_KEY: self.skipped_steps}
         if self._shards is not None:
             state[SHARD_WORLD_KEY] = self._shards.spec.world
             state["state"] = self._sharded_state(state["state"])
-            for saved, layout in zip(state["param_groups"], state[LAYOUT_KEY]):
-                saved.update({LAYOUT_KEY: layout, SHARD_WORLD_KEY: self._shards.spec.world,
-                              SKIPPED_KEY: self.skipped_steps})
+            metadata[SHARD_WORLD_KEY] = self._shards.spec.world
+        for saved, layout in zip(state["param_groups"], state[LAYOUT_KEY]):
+            saved.update({LAYOUT_KEY: layout, **metadata})
         return state
 
     def _sharded_state(self, saved_state: dict) -> dict:
@@ -119,8 +143,15 @@ class PackedCheckpoints:
                 if LAYOUT_KEY not in state_dict:
                     out.setdefault(LAYOUT_KEY, []).append(metadata.get(LAYOUT_KEY))
                 for key in (SHARD_WORLD_KEY, SKIPPED_KEY):
-                    if key in metadata and key not in state_dict:
-                        out.setdefault(key, metadata[key])
+                    if key not in metadata:
+                        continue
+                    if key not in out:
+                        out[key] = metadata[key]
+                    elif not (type(metadata[key]) is type(out[key]) and metadata[key] == out[key]):
+                        raise ValueError(
+                            f"{key}: the state dict says {out[key]!r} and one of its parameter groups "
+                            f"{metadata[key]!r}; a state dict of state_dict() holds the same value in both"
+                        )
             groups.append(saved)
         out["param_groups"] = groups
         world = self._shards.spec.world if self._shards is not None else None
@@ -131,14 +162,14 @@ class PackedCheckpoints:
                 for name, value in entry.items():
                     if is_sharded(value):
                         if shard_world_of(value) != world:
-                            reshard = (" (torch.distributed.checkpoint reshards it: dcp.load into this "
-                                       "optimizer's get_optimizer_state_dict, then set_optimizer_state_dict)"
-                                       if self.RESHARDABLE else "")
+                            refusal = self._reshard_refusal()
+                            why = (f"{refusal}: resume on as many ranks" if refusal is not None else
+                                   "keeps each rank's part of its state and cannot reshard it: resume on as many "
+                                   "ranks (torch.distributed.checkpoint reshards it: dcp.load into this "
+                                   "optimizer's get_optimizer_state_dict, then set_optimizer_state_dict)")
                             raise ValueError(
                                 f"saved state {name!r} is sharded over {shard_world_of(value)} ranks, and this "
-                                f"optimizer's parameters over {world or 1}; {type(self).__name__} keeps each "
-                                "rank's part of its state and cannot reshard it: resume on as many ranks"
-                                + reshard
+                                f"optimizer's parameters over {world or 1}; {type(self).__name__} {why}"
                             )
                         entry[name] = value.to_local()
             local_state[key] = entry
@@ -194,19 +225,20 @@ class PackedCheckpoints:
 
     def _check_shard_world(self, saved) -> None:
         """A checkpoint resumes on as many ranks as saved it (None: unsharded), else ``ValueError``; a
-        ``RESHARDABLE`` optimizer's on any number, its entries checked by :meth:`_check_resharded`."""
+        reshardable one's (:meth:`_reshard_refusal`) on any number, its entries checked by
+        :meth:`_check_resharded`."""
         world = self._shards.spec.world if self._shards is not None else None
         if saved == world:
             return
         if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 1):
             raise ValueError(f"{SHARD_WORLD_KEY} must be an int >= 1, got {saved!r}")
-        if self.RESHARDABLE:
+        refusal = self._reshard_refusal()
+        if refusal is None:
             return
         saved_text, mine_text = self._world_texts(saved)
         raise ValueError(
             f"{SHARD_WORLD_KEY}: the state dict was saved for {saved_text}, this optimizer has {mine_text}; "
-            f"{type(self).__name__} keeps each rank's part of its state (its shards' columns of the window, "
-            "its blocks) and cannot reshard it: resume with the same number of ranks"
+            f"{type(self).__name__} {refusal}: resume with the same number of ranks"
         )
 
     def _world_texts(self, saved) -> tuple[str, str]:
@@ -233,13 +265,7 @@ class PackedCheckpoints:
             if not isinstance(entry, dict):
                 continue  # CheckpointSpec names the problem
             for name, value in entry.items():
-                if name not in self.LIKE_PARAM_ENTRIES or not isinstance(value, torch.Tensor):
-                    continue
-                if is_sharded(value):
-                    laid_out_here = value.shape == p.shape and value.placements == getattr(p, "placements", None)
-                else:
-                    laid_out_here = value.shape == p.shape
-                if not laid_out_here:
+                if isinstance(value, torch.Tensor) and self._resharded_layout(name, value, p) is False:
                     saved_text, mine_text = self._world_texts(saved_world)
                     raise ValueError(
                         f"{SHARD_WORLD_KEY}: the state dict was saved for {saved_text}, this optimizer has "

@@ -72,11 +72,48 @@ def _gram_state(m: int, device: torch.device) -> dict:
 
 
 class DenseWindow:
-    """``m`` full gradients as the rows of ``ring_grads`` (``[m, d]``, float32; float64 for float64 models)."""
+    """``m`` full gradients as the rows of ``ring_grads`` (``[m, d]``, float32; float64 for float64 models).
+
+    A checkpoint shows the window as each parameter's ``ring_rows`` (``[m, *p.shape]``, see
+    :meth:`rows_of` and :meth:`window_of`): its columns of every row, unpadded, laid out like
+    the parameter, so that a sharded one reshards.
+    """
 
     BLOCKWISE = False
     ERROR_FEEDBACK = False
     KEEPS_FLOAT64 = True  # float64 parameters keep float64 rows (to check the algebra exactly)
+    # Why a checkpoint cannot resume on another number of ranks; None: it can.
+    RESHARD_REFUSAL = None
+
+    @staticmethod
+    def rows_of(window: torch.Tensor, locals_: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of ``window`` (``[m, span]``) shaped ``[m, *t.shape]``: each tensor's columns of every row."""
+        rows, start = [], 0
+        for t in locals_:
+            rows.append(window[:, start : start + t.numel()].view(window.shape[0], *t.shape))
+            start += t.numel()
+        return rows
+
+    @staticmethod
+    def window_of(rows: Sequence, locals_: Sequence[torch.Tensor], span: int) -> torch.Tensor:
+        """The ``[m, span]`` window whose columns are ``rows`` (each ``[m, *t.shape]``, one dtype), zero beyond
+        them; ``ValueError`` naming the first row tensor that does not fit."""
+        if not rows or len(rows) != len(locals_):
+            raise ValueError(f"a window needs one 'ring_rows' per parameter ({len(locals_)}), got {len(rows)}")
+        first = rows[0]
+        for position, (r, t) in enumerate(zip(rows, locals_)):
+            if not isinstance(r, torch.Tensor) or r.dim() != t.dim() + 1 or tuple(r.shape[1:]) != tuple(t.shape) \
+                    or r.shape[0] != first.shape[0] or r.dtype != first.dtype:
+                got = f"{r.dtype} {tuple(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
+                raise ValueError(
+                    f"saved state 'ring_rows' of the window's parameter {position} is {got}, expected "
+                    f"{first.dtype if isinstance(first, torch.Tensor) else 'a tensor'} of shape [m, "
+                    f"{', '.join(map(str, t.shape))}] (m rows of its columns, as every parameter of the window)"
+                )
+        window = torch.zeros((first.shape[0], span), dtype=first.dtype, device=first.device)
+        for view, r in zip(DenseWindow.rows_of(window, locals_), rows):
+            view.copy_(r)
+        return window
 
     @staticmethod
     def error_dtype(group: dict) -> torch.dtype:
@@ -132,6 +169,10 @@ class SparseWindow:
     BLOCKWISE = True
     ERROR_FEEDBACK = True
     KEEPS_FLOAT64 = False
+    RESHARD_REFUSAL = (
+        "cuts its Top-k blocks from each rank's shard and keeps them in a sparse ring, block by block (the "
+        "blocks, and below density 1 the entries each kept, are the ranks' own), so it cannot reshard the ring"
+    )
 
     @staticmethod
     def error_dtype(group: dict) -> torch.dtype:
@@ -215,6 +256,9 @@ class LowRankWindow:
     BLOCKWISE = False
     ERROR_FEEDBACK = True
     KEEPS_FLOAT64 = False
+    RESHARD_REFUSAL = (
+        "keeps each rank's part of its state (its rows of the low-rank factors) and cannot reshard it"
+    )
 
     @staticmethod
     def error_dtype(group: dict) -> torch.dtype:

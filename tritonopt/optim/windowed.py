@@ -90,7 +90,9 @@ from tritonopt.optim._packed import (
     available_memory,
     bind_flat_state,
 )
-from tritonopt.optim._sharding import is_row_sharded, local_tensor
+from tritonopt.optim._checkpoints import LAYOUT_KEY, check_param_layout
+from tritonopt.optim._sharding import is_row_sharded, is_sharded, like_param_rows, local_tensor, rows_placements
+from tritonopt.optim._windows import DenseWindow
 from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum, window_weights
 
 # Gradients are stored and multiplied in float32 (or bfloat16): with a gradient norm
@@ -119,7 +121,7 @@ class WindowedPreconditioner(PackedOptimizer):
     FREEZE_BY_ZERO_ACCUMULATOR = True
     SHARDING_REFUSAL = None
     LIKE_PARAM_ENTRIES = frozenset({"error", "momentum_buffer"})
-    RANK_STACKED_ENTRIES = frozenset({"ring_grads", "ring_indices", "ring_values"})
+    RANK_STACKED_ENTRIES = frozenset({"ring_indices", "ring_values"})
 
     def __init__(self, params: Iterable, defaults: dict, on_nonfinite: str, *,
                  per_group_windows: bool = False, track_error_norm: bool = False):
@@ -261,6 +263,92 @@ class WindowedPreconditioner(PackedOptimizer):
             step_counters=frozenset({"step"}),
             group_rule=_check_ring_position if first else None,
         )
+
+    # ------------------------------------------------------------------ checkpoints of a dense window
+
+    def _reshard_refusal(self) -> Optional[str]:
+        return self.WINDOW.RESHARD_REFUSAL
+
+    def _resharded_layout(self, name: str, value: torch.Tensor, p) -> Optional[bool]:
+        if name != "ring_rows":
+            return super()._resharded_layout(name, value, p)
+        laid_out = value.dim() == p.dim() + 1 and tuple(value.shape[1:]) == tuple(p.shape)
+        if is_sharded(value):
+            return laid_out and is_sharded(p) and list(value.placements) == rows_placements(p, 1)
+        return laid_out
+
+    def _window_keys(self, groups: Sequence[dict]) -> list[list[int]]:
+        """The state dict keys (positions) of each window's parameters, for ``groups`` (this optimizer's or a
+        state dict's, by position)."""
+        starts, start = [], 0
+        for group in groups:
+            starts.append(start)
+            start += len(group["params"])
+        if self.per_group_windows:
+            return [list(range(first, first + len(group["params"]))) for first, group in zip(starts, groups)]
+        return [list(range(start))]
+
+    def state_dict(self) -> dict:
+        """As :class:`PackedOptimizer`'s, with a dense window shown as each parameter's ``ring_rows``
+        (``[m, *p.shape]``: its columns of every row, unpadded; on shards a DTensor laid out like ``p`` along
+        dimension 1) instead of the first parameter's ``ring_grads``, so that ``torch.distributed.checkpoint``
+        reshards it and an unsharded optimizer loads it. Unsharded, the rows are views of the window."""
+        state = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        shown = state["state"]
+        for keys in self._window_keys(self.param_groups):
+            first = shown.get(keys[0]) if keys else None
+            if not isinstance(first, dict) or "ring_grads" not in first:
+                continue
+            window_params = [params[key] for key in keys]
+            rows = DenseWindow.rows_of(first["ring_grads"], [local_tensor(p) for p in window_params])
+            for key, p, r in zip(keys, window_params, rows):
+                entry = dict(shown.get(key, {}))
+                entry.pop("ring_grads", None)
+                entry["ring_rows"] = like_param_rows(r, p) if is_sharded(p) else r
+                shown[key] = entry
+        return state
+
+    def _local_state_dict(self, state_dict: dict) -> dict:
+        """As :class:`PackedOptimizer`'s, with each window's ``ring_rows`` (this rank's columns, once DTensors are
+        local) put back into the first parameter's ``ring_grads``, padded to this optimizer's span."""
+        out = super()._local_state_dict(state_dict)
+        if not isinstance(out, dict) or not isinstance(out.get("state"), dict) or not isinstance(
+                out.get("param_groups"), list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                          for g in out["param_groups"]):
+            return out
+        saved_groups = out["param_groups"]
+        saved_state = out["state"]
+        if not any(isinstance(entry, dict) and "ring_rows" in entry for entry in saved_state.values()):
+            return out
+        try:
+            check_param_layout(out.get(LAYOUT_KEY), self.param_groups)
+        except ValueError:
+            return out  # check_state_dict names the problem: the rows are another layout's
+        saved_ids = [pid for g in saved_groups for pid in g["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        local_state = dict(saved_state)
+        for keys in self._window_keys(self.param_groups):
+            entries = [saved_state.get(saved_ids[key]) for key in keys]
+            held = [isinstance(entry, dict) and "ring_rows" in entry for entry in entries]
+            if not any(held):
+                continue
+            if not all(held):
+                missing = [saved_ids[key] for key, h in zip(keys, held) if not h]
+                raise ValueError(f"saved state 'ring_rows' is missing for parameters {missing} of a window whose "
+                                 "other parameters hold theirs: every parameter of a window holds its rows")
+            if "ring_grads" in entries[0]:
+                raise ValueError("the saved state holds both 'ring_grads' and 'ring_rows' for one window")
+            window_params = [params[key] for key in keys]
+            locals_ = [local_tensor(p) for p in window_params]
+            span = max(self._span(window_params) or 0, sum(t.numel() for t in locals_))
+            window = DenseWindow.window_of([entry["ring_rows"] for entry in entries], locals_, span)
+            for index, (key, entry) in enumerate(zip(keys, entries)):
+                entry = {name: value for name, value in entry.items() if name != "ring_rows"}
+                if index == 0:
+                    entry["ring_grads"] = window
+                local_state[saved_ids[key]] = entry
+        return {**out, "state": local_state}
 
     def error_norm_ratios(self) -> list[Optional[float]]:
         """``||e|| / ||g||`` of each window's last step (what compression left out), with ``track_error_norm``.
