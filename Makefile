@@ -68,7 +68,7 @@ demo-reference: install
 # exits 1 when a claim it checks fails. Every script runs even after one fails (a failed claim is
 # a result too); the target then names the failed scripts and exits 1.
 EXPERIMENTS = efcp_experiment kfac_experiment kaisa_tradeoff fosi_experiment ssd_sgd_experiment \
-	dsp_experiment comm_hooks_experiment
+	dsp_experiment comm_hooks_experiment sharded_quality
 experiments: install
 	@failed=""; for script in $(EXPERIMENTS); do \
 		echo "==> python -m perf.$$script"; \

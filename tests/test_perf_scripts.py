@@ -35,6 +35,7 @@ SMOKE_OUTPUTS = {
     "fosi_experiment": ["fosi_e1.csv", "fosi_digits.csv", "fosi_dist.csv", "fosi_comm.csv", "fosi_summary.md"],
     "kaisa_tradeoff": ["kaisa_tradeoff.csv", "kaisa_tradeoff.md"],
     "kfac_experiment": ["kfac_autoencoder.csv", "kfac_classifier.csv", "kfac_autoencoder.md"],
+    "sharded_quality": ["sharded_quality_runs.csv", "sharded_quality.md"],
     "ssd_sgd_experiment": ["ssd_sgd_runs.csv", "ssd_sgd_summary.md"],
 }
 # Smoke runs that spawn gloo ranks and take about a minute: with -m slow.
