@@ -144,7 +144,11 @@ class FlatSGD(PackedOptimizer):
     (they do: the first step, a load, a refused step that created state). A
     checkpoint of ``torch.distributed.checkpoint`` resumes on any number of
     ranks and any mesh shape (1-D or HSDP): each coordinate's momentum is what
-    was saved, and the run goes on as an uninterrupted one on the new ranks would.
+    was saved, and the run goes on as an uninterrupted one on the new ranks would;
+    so does a plain FlatSGD loading it in one process. Its flat gradients are
+    attached from construction, so torch's ``get_optimizer_state_dict`` does not
+    take its initialising step: step once at ``lr = 0`` before building the
+    template, or the template holds no momentum to load.
     """
 
     ALGO = "flat_sgd"
