@@ -23,6 +23,7 @@ import torch
 
 from _distributed import run_on_ranks
 from _kaisa_fsdp2 import KAISA_CASES, KAISA_STEPS, kaisa_scenario
+from _shard_group_stall import STALL_TIMEOUT, stall_scenario
 
 WORLD = 2
 STEPS = 5
@@ -812,6 +813,7 @@ def _scenario(rank, world, directory):
     out["checkpoints"] = _checkpoints(rank, mesh, directory)
     out["local_rows"] = [p.to_local().shape[0] for p in _sharded_model(mesh).parameters()]
     out["kaisa"] = kaisa_scenario(rank, mesh, directory)
+    out["stall"] = stall_scenario(rank, world)  # last: it breaks the group it makes
     return out
 
 
@@ -1112,6 +1114,16 @@ def test_a_ranks_part_saved_on_another_number_of_ranks_is_refused():
     after = opt.state_dict()
     assert all(torch.equal(after["state"][key]["momentum_buffer"], entry["momentum_buffer"])
                for key, entry in before["state"].items())
+
+
+
+def test_a_stalled_rank_makes_the_sharded_optimizer_raise_a_collective_failure_within_the_timeout(ranks):
+    seen = ranks[0]["stall"]
+    assert seen["step"] == 1 and seen["collective_failure"], seen
+    assert seen["message"].startswith("MFAC: the collective 'all_reduce'"), seen["message"]
+    assert f"(timeout {STALL_TIMEOUT:g} s)" in seen["message"] and "failed on rank 0" in seen["message"]
+    assert seen["seconds"] <= STALL_TIMEOUT + 20.0  # the timeout, plus a loaded 2-core machine's slack
+    assert ranks[1]["stall"]["collective_failure"]  # rank 1 then finds rank 0 gone
 
 
 # ---------------------------------------------------------------------- K-FAC (KAISA) on FSDP2

@@ -247,7 +247,7 @@ class PackedOptimizer(PackedCheckpoints, Optimizer):
             return self._shards
         if self._shards is not None:
             raise ValueError(f"{name}: a new parameter group lives on another device mesh than the others")
-        return ShardGroup(spec)
+        return ShardGroup(spec, owner=name)
 
     def _agreement_settings(self) -> dict:
         """What every rank of a sharded optimizer must agree on: its class, each group's hyperparameters and

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -267,6 +268,11 @@ class ShardGroup:
     replicate dimension's (None on a 1-D mesh), used by :meth:`check_agree` only.
     ``bytes_all_reduced`` and ``all_reduce_calls`` count what :meth:`all_reduce`
     sent (each rank's tensor, in bytes); the agreement check is not counted.
+
+    A collective that fails (a rank died, or stalled past the process group's
+    timeout, the one ``init_process_group`` or the mesh's group was created with)
+    raises :class:`~tritonopt.dist.CollectiveFailure` naming ``owner``, the
+    collective, the ranks, the time waited and the timeout.
     """
 
     spec: ShardSpec
@@ -274,6 +280,7 @@ class ShardGroup:
     all_reduce_calls: int = 0
     group: object = field(default=None, repr=False)
     replica_group: object = field(default=None, repr=False)
+    owner: str = "a sharded optimizer"
 
     def __post_init__(self):
         if not isinstance(self.spec, ShardSpec):
@@ -285,10 +292,24 @@ class ShardGroup:
             self.group = mesh.get_group(mesh.ndim - 1)
             self.replica_group = mesh.get_group(0)
 
+    def _run(self, what: str, collective, *args, group, **kwargs):
+        """``collective(*args, group=group, **kwargs)``; a failure becomes a CollectiveFailure naming it."""
+        began = time.monotonic()
+        try:
+            return collective(*args, group=group, **kwargs)
+        except RuntimeError as exc:  # gloo and NCCL report a dead or late peer so (DistError included)
+            from tritonopt.dist._collective_guard import CollectiveFailure, failure_message, group_timeout
+
+            raise CollectiveFailure(failure_message(
+                self.owner, f"the collective {what!r}", ranks=dist.get_process_group_ranks(group),
+                seconds=time.monotonic() - began, timeout=group_timeout(group), cause=exc,
+                detail="The optimizer cannot go on: restart from a checkpoint.",
+            )) from exc
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         self.bytes_all_reduced += tensor.numel() * tensor.element_size()
         self.all_reduce_calls += 1
-        dist.all_reduce(tensor, op=op, group=self.group)
+        self._run("all_reduce", dist.all_reduce, tensor, op=op, group=self.group)
         return tensor
 
     def largest(self, value: torch.Tensor) -> float:
@@ -317,21 +338,21 @@ class ShardGroup:
     def _gather_tensors(self, mine: torch.Tensor) -> list[torch.Tensor]:
         """``mine`` from every rank of the mesh: over the shard dimension, then those over the replicate one."""
         gathered = [torch.empty_like(mine) for _ in range(self.spec.world)]
-        dist.all_gather(gathered, mine, group=self.group)
+        self._run("all_gather", dist.all_gather, gathered, mine, group=self.group)
         if self.replica_group is None:
             return gathered
         rows = torch.stack(gathered)
         replicas = [torch.empty_like(rows) for _ in range(self.spec.replicas)]
-        dist.all_gather(replicas, rows, group=self.replica_group)
+        self._run("all_gather", dist.all_gather, replicas, rows, group=self.replica_group)
         return [row for replica in replicas for row in replica]
 
     def _gather_objects(self, mine) -> list:
         gathered = [None] * self.spec.world
-        dist.all_gather_object(gathered, mine, group=self.group)
+        self._run("all_gather_object", dist.all_gather_object, gathered, mine, group=self.group)
         if self.replica_group is None:
             return gathered
         replicas = [None] * self.spec.replicas
-        dist.all_gather_object(replicas, gathered, group=self.replica_group)
+        self._run("all_gather_object", dist.all_gather_object, replicas, gathered, group=self.replica_group)
         return [value for replica in replicas for value in replica]
 
     def check_agree(self, owner: str, settings: dict) -> None:
