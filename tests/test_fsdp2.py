@@ -1106,6 +1106,8 @@ def test_a_ranks_part_saved_on_another_number_of_ranks_is_refused():
     opt.step()
     saved = copy.deepcopy(opt.state_dict())
     saved["shard_world"] = 2
+    for group in saved["param_groups"]:  # as a sharded state_dict() says it in its groups too
+        group["shard_world"] = 2
     saved["state"][0]["momentum_buffer"] = saved["state"][0]["momentum_buffer"][:7].clone()
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match=r"saved for sharded over 2 ranks, this optimizer has unsharded parameters, "

@@ -96,7 +96,9 @@ class PackedCheckpoints:
         state = super().state_dict()
         state["skipped_steps"] = self.skipped_steps
         state[LAYOUT_KEY] = param_layout(self.param_groups)
-        metadata = {SKIPPED_KEY: self.skipped_steps}
+        # The groups name the world size unsharded too (None): a DCP checkpoint loaded into this optimizer's
+        # get_optimizer_state_dict then brings the saved one, and a state that cannot reshard is refused.
+        metadata = {SKIPPED_KEY: self.skipped_steps, SHARD_WORLD_KEY: None}
         if self._shards is not None:
             state[SHARD_WORLD_KEY] = self._shards.spec.world
             state["state"] = self._sharded_state(state["state"])

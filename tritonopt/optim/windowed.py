@@ -341,6 +341,15 @@ class WindowedPreconditioner(PackedOptimizer):
                 raise ValueError("the saved state holds both 'ring_grads' and 'ring_rows' for one window")
             window_params = [params[key] for key in keys]
             locals_ = [local_tensor(p) for p in window_params]
+            for entry, p, t in zip(entries, window_params, locals_):
+                rows = entry["ring_rows"]
+                if isinstance(rows, torch.Tensor) and tuple(rows.shape[1:]) == tuple(p.shape) != tuple(t.shape):
+                    raise ValueError(
+                        f"saved state 'ring_rows' of shape {tuple(rows.shape)} holds the whole parameter's columns, "
+                        f"and this optimizer holds its shard {tuple(t.shape)}: a whole state loads into sharded "
+                        "parameters through torch.distributed.checkpoint (dcp.load into this optimizer's "
+                        "get_optimizer_state_dict, then set_optimizer_state_dict)"
+                    )
             span = max(self._span(window_params) or 0, sum(t.numel() for t in locals_))
             window = DenseWindow.window_of([entry["ring_rows"] for entry in entries], locals_, span)
             for index, (key, entry) in enumerate(zip(keys, entries)):
