@@ -293,6 +293,16 @@ def _checkpoint_case(rank, hsdp, flat4, pair, pair_mesh, directory, name, kwargs
         seen["pair"] = _resume_elsewhere(rank, pair_mesh, pair, name, kwargs, path, saved_state, gradients,
                                          uninterrupted)
     seen["flat4"] = _resume_elsewhere(rank, flat4, None, name, kwargs, path, None, gradients, uninterrupted)
+    if name in RESHARDABLE:  # and the other way: 3 steps on the 1-D mesh of 4, resumed on the 2x2 mesh
+        model4 = two._sharded_model(flat4)
+        opt4 = two._model_optimizer(name, model4, **kwargs)
+        two._run(model4, opt4, rank, range(3))
+        dcp.save({"model": get_model_state_dict(model4), "optim": get_optimizer_state_dict(model4, opt4)},
+                 checkpoint_id=f"{path}-flat4")
+        gradients4 = []
+        uninterrupted4 = two._run(model4, opt4, rank, range(3, STEPS), gradients4)
+        seen["flat4_to_hsdp"] = _resume_elsewhere(rank, hsdp, None, name, kwargs, f"{path}-flat4", None,
+                                                  gradients4, uninterrupted4)
     return seen
 
 
@@ -312,11 +322,34 @@ def _resume_elsewhere(rank, mesh, group, name, kwargs, path, saved_state, gradie
         seen["state_equal"] = _same_state(_state_of(opt, params), saved_state)
     if name == "FOSI":  # its next step runs an estimate through this mesh's model: other products, not compared
         return seen
+    # The checkpoint loaded into a plain model in this one process, given the same gradients (the optimizers that
+    # reshard; the 2-rank module checks that the others refuse it).
+    plain_model = two._model()
+    plain = two._plain_template_optimizer(name, plain_model, **kwargs)
+    seen["plain_refused"] = (two._load_dcp(plain_model, plain, path, None, no_dist=True) if name in RESHARDABLE
+                             else "not tried")
+    kind = CASES[name][2] if name in CASES else None
+    budget = torch.zeros(())
     for step_gradients in gradients:
-        for p, whole in zip(params, step_gradients):
+        for p, q, whole in zip(params, plain_model.parameters(), step_gradients):
             p.grad = distribute_tensor(whole.clone(), mesh, p.placements, src_data_rank=None)
+            q.grad = whole.clone()
         opt.step()
-    seen["equals_uninterrupted"] = torch.equal(two._whole(model), uninterrupted)
+        if seen["plain_refused"] is None:
+            plain.step()
+            if name in two.SUMS_OVER_COORDINATES:  # as in two._compare_fsdp: lr * du, and theta's own rounding
+                theta = torch.cat([q.detach().reshape(-1) for q in plain_model.parameters()]).double()
+                budget = budget + (CASES[name][1]["lr"] * two._window_bound(plain, CASES[name][1][kind[1]], kind[0])
+                                   + 2 * U32 * theta.abs())
+    resumed = two._whole(model)
+    seen["equals_uninterrupted"] = torch.equal(resumed, uninterrupted)
+    if seen["plain_refused"] is None:
+        plain_params = torch.cat([q.detach().reshape(-1) for q in plain_model.parameters()])
+        seen["plain_equals_uninterrupted"] = torch.equal(plain_params, uninterrupted)
+        if name in two.SUMS_OVER_COORDINATES:
+            seen["gap_over_bound"] = float(((resumed.double() - uninterrupted.double()).abs() / budget).max())
+            seen["plain_gap_over_bound"] = float(((plain_params.double() - uninterrupted.double()).abs()
+                                                  / budget).max())
     return seen
 
 
@@ -501,9 +534,10 @@ def test_fosi_keeps_each_shard_ranks_coordinates_and_all_reduces_over_the_shard_
     ("shard_columns", ["sharded along their first dimension", "placements (R, S(1))"]),
     ("DHO2", ["does not support DTensor"]),
     ("track_error_norm", ["track_error_norm is not supported"]),
-    # A window's state saved unsharded: its world is named with the mesh it would resume on.
-    ("unsharded_into_hsdp", ["saved for unsharded parameters, this optimizer has sharded over 2 ranks (the shard "
-                             "dimension of a 2 x 2 mesh)", "cannot reshard it"]),
+    # A dense window's state saved unsharded, loaded whole by load_state_dict: it reshards through
+    # torch.distributed.checkpoint only, which the refusal names.
+    ("unsharded_into_hsdp", ["'ring_rows' of shape (4, 13, 5) holds the whole parameter's columns",
+                             "this optimizer holds its shard", "through torch.distributed.checkpoint"]),
 ])
 def test_what_is_not_supported_is_refused_naming_it(ranks, attempt, says):
     for result in ranks:
@@ -559,7 +593,11 @@ def test_an_hsdp_checkpoint_on_another_shard_dimension_reshards_or_is_refused(ra
     # are refused, naming both shard counts (SparseMFAC by DCP itself: its window's blocks change shape).
     for result in ranks:
         seen = _seen(result, "checkpoints", name)["flat4"]
-        if name in RESHARDABLE:
+        if name in two.SUMS_OVER_COORDINATES:
+            # A dense window's rows and Gram matrix load exactly; the resumed steps' products sum over 4 ranks'
+            # coordinates instead of 2's: the uninterrupted run within _window_bound.
+            assert seen["refused"] is None and seen["gap_over_bound"] <= 1.0, seen
+        elif name in RESHARDABLE:
             assert seen["refused"] is None, seen
             assert seen["equals_uninterrupted"] == (name == "FlatSGD"), seen
         elif name == "SparseMFAC":
@@ -567,3 +605,33 @@ def test_an_hsdp_checkpoint_on_another_shard_dimension_reshards_or_is_refused(ra
         else:
             assert seen["refused"] is not None, seen
             assert "saved for sharded over 2 ranks, this optimizer has sharded over 4 ranks" in seen["refused"], seen
+
+
+@pytest.mark.parametrize("name", RESHARDABLE)
+def test_a_checkpoint_of_four_ranks_resumes_on_the_hsdp_mesh(ranks, name):
+    # 4 -> 2: saved on the 1-D mesh of 4, resumed on the 2x2 mesh (2 shard ranks), given the uninterrupted run's
+    # gradients. FlatSGD is elementwise: bit for bit. A dense window: within _window_bound (the products' sums over
+    # 2 ranks' coordinates instead of 4's). SparseAdaGrad: Top-k blocks cut from 2 shards instead of 4.
+    for result in ranks:
+        seen = _seen(result, "checkpoints", name)["flat4_to_hsdp"]
+        assert seen["refused"] is None, seen
+        if name in two.SUMS_OVER_COORDINATES:
+            assert seen["gap_over_bound"] <= 1.0, seen
+        else:
+            assert seen["equals_uninterrupted"] == (name == "FlatSGD"), seen
+
+
+@pytest.mark.parametrize("source", ["flat4", "flat4_to_hsdp"])
+@pytest.mark.parametrize("name", RESHARDABLE)
+def test_a_checkpoint_of_two_or_four_shard_ranks_loads_into_a_plain_model(ranks, name, source):
+    # The checkpoint of the 2x2 mesh (2 shard ranks) and of the 1-D mesh of 4, loaded into the optimizer over a plain
+    # model in one process (dcp.load with no_dist=True into get_optimizer_state_dict's template, then
+    # set_optimizer_state_dict), given the uninterrupted run's gradients: FlatSGD bit for bit, a dense window within
+    # _window_bound (one sum over every coordinate), SparseAdaGrad with one rank's blocks.
+    for result in ranks:
+        seen = _seen(result, "checkpoints", name)[source]
+        assert seen["plain_refused"] is None, seen
+        if name in two.SUMS_OVER_COORDINATES:
+            assert seen["plain_gap_over_bound"] <= 1.0, seen
+        else:
+            assert seen["plain_equals_uninterrupted"] == (name == "FlatSGD"), seen
