@@ -1,7 +1,7 @@
 """The package's layers import only downwards: _runtime -> kernels -> _ops -> ops -> optim -> dist.
 
-Read from the source with ``ast`` (nothing is imported). ``_runtime`` and
-``_validation`` are the base every layer may use; ``optim`` and ``dist`` reach
+Read from the source with ``ast`` (nothing is imported). ``_runtime``,
+``_validation`` and ``_distributed`` are the base every layer may use; ``optim`` and ``dist`` reach
 the kernels only through the public ``tritonopt.ops``; ``dist`` uses ``optim``'s
 public modules and names only (it composes them, it does not reach inside).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tritonopt"
-BASE = {"tritonopt._runtime", "tritonopt._validation"}
+BASE = {"tritonopt._runtime", "tritonopt._validation", "tritonopt._distributed"}
 
 # layer -> the tritonopt modules (prefixes) it may import, besides its own layer
 ALLOWED = {

@@ -26,39 +26,16 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from tritonopt._distributed import CollectiveFailure, failure_message, group_timeout
 from tritonopt._validation import check_float
 
 __all__ = ["CollectiveFailure", "GuardedCommunicator", "failure_message", "group_timeout", "resolve_timeout",
            "timed_group"]
 
 
-class CollectiveFailure(RuntimeError):
-    """A collective did not complete: a rank died, stalled past the timeout, or left the group."""
-
-
-def failure_message(layer: str, what: str, *, ranks: Sequence[int], seconds: float, timeout: datetime.timedelta,
-                    cause: BaseException, detail: str = "") -> str:
-    """``"<layer>: <what> among ranks [..] failed on rank r after s s (timeout t s): ..."``, with the cause."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    extra = f" {detail}" if detail else ""
-    return (f"{layer}: {what} among ranks {list(ranks)} failed on rank {rank} after {seconds:.1f} s (timeout "
-            f"{timeout.total_seconds():g} s): another rank died, stalled or left.{extra} Backend error: {cause}")
-
-
 def _check_error_class(error) -> None:
     if not (isinstance(error, type) and issubclass(error, CollectiveFailure)):
         raise TypeError(f"error must be CollectiveFailure or a subclass of it, got {error!r}")
-
-
-def group_timeout(group: Optional[dist.ProcessGroup]) -> datetime.timedelta:
-    """The timeout ``group`` (None: the world) was created with, or torch's default if it cannot be read."""
-    group = dist.group.WORLD if group is None else group
-    for device in (torch.device("cpu"), torch.device("cuda")):
-        try:
-            return group._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-    return dist.default_pg_timeout
 
 
 def resolve_timeout(timeout, group: Optional[dist.ProcessGroup] = None) -> datetime.timedelta:

@@ -35,8 +35,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from tritonopt.optim._kfac_layers import KFACLayer
-from tritonopt.optim._sharding import common_mesh, is_sharded
+from tritonopt._distributed import common_mesh, is_dtensor
+from tritonopt.optim.kfac import KFACLayer
 
 try:
     from torch.distributed.tensor import Replicate, Shard
@@ -114,7 +114,7 @@ class ShardedLayerGradients:
         ``torch.distributed`` world, or placements other than ``Replicate()`` and
         ``Shard(0)`` on one mesh dimension.
         """
-        plain = [layer.name for layer in layers if not all(is_sharded(p) for p in _layer_params(layer))]
+        plain = [layer.name for layer in layers if not all(is_dtensor(p) for p in _layer_params(layer))]
         if plain and len(plain) < len(layers):
             raise ValueError(
                 f"{owner}: layers {plain} have plain-tensor parameters while others are DTensors (FSDP2): shard "

@@ -45,6 +45,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from tritonopt._distributed import CollectiveFailure, common_mesh, failure_message, group_timeout, is_dtensor
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch without DTensor: no parameter can be one
@@ -52,8 +54,7 @@ except ImportError:  # torch without DTensor: no parameter can be one
     Replicate = Shard = None
 
 
-def is_sharded(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+is_sharded = is_dtensor
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -173,27 +174,6 @@ def local_coordinates(params: Sequence[torch.Tensor], spec: ShardSpec) -> Coordi
     return Coordinates(torch.cat(indices), once if replicated and spec.rank != 0 else None, start)
 
 
-def common_mesh(owner: str, params: Sequence[torch.Tensor]):
-    """The one device mesh of ``params`` (all DTensors), None when none is a DTensor.
-
-    ``ValueError`` for DTensors mixed with plain tensors, or on several meshes.
-    """
-    sharded = [p for p in params if is_sharded(p)]
-    if not sharded:
-        return None
-    if len(sharded) != len(params):
-        raise ValueError(
-            f"{owner} got DTensor parameters mixed with plain tensors: shard the whole model (fully_shard the "
-            "root module too) or none of it, so that every rank steps the same vector"
-        )
-    mesh = sharded[0].device_mesh
-    for p in sharded:
-        if p.device_mesh != mesh:
-            raise ValueError(f"{owner} needs all DTensor parameters on one device mesh, found {mesh} and "
-                             f"{p.device_mesh}")
-    return mesh
-
-
 def shard_spec(owner: str, params: Sequence[torch.Tensor]) -> Optional[ShardSpec]:
     """The mesh of ``params``, None for plain tensors.
 
@@ -298,8 +278,6 @@ class ShardGroup:
         try:
             return collective(*args, group=group, **kwargs)
         except RuntimeError as exc:  # gloo and NCCL report a dead or late peer so (DistError included)
-            from tritonopt.dist._collective_guard import CollectiveFailure, failure_message, group_timeout
-
             raise CollectiveFailure(failure_message(
                 self.owner, f"the collective {what!r}", ranks=dist.get_process_group_ranks(group),
                 seconds=time.monotonic() - began, timeout=group_timeout(group), cause=exc,
