@@ -36,3 +36,16 @@ def collect_from_ranks(world_size: int, fn: Callable[..., Any], *args: Any, **op
     Triton interpreter in each rank as in :func:`run_on_ranks`; ``options`` are that function's."""
     interpret = os.environ.get("TRITON_INTERPRET", "1" if not torch.cuda.is_available() else "0")
     return _ranks.collect_from_ranks(world_size, fn, *args, env={"TRITON_INTERPRET": interpret}, **options)
+
+
+def refusals_of(attempts: dict) -> dict:
+    """``{name: None, or "ErrorType: message"}`` for each ``name: callable`` of ``attempts`` (ValueError and
+    RuntimeError caught), so that a test can assert on every refusal a rank saw."""
+    seen = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            seen[name] = None
+        except (ValueError, RuntimeError) as error:
+            seen[name] = f"{type(error).__name__}: {error}"
+    return seen

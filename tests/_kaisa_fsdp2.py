@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 
 import torch
+from _distributed import refusals_of
 
 KAISA_CASES = {
     "comm_opt": dict(grad_worker_fraction=1.0),
@@ -162,14 +163,7 @@ def _refusals(rank, mesh):
         "mixed": lambda: tritonopt.dist.KAISAPreconditioner(mixed()),
         "disagree": lambda: tritonopt.dist.KAISAPreconditioner(_sharded(mesh), damping=0.01 * (rank + 1)),
     }
-    seen = {}
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            seen[name] = None
-        except (ValueError, RuntimeError) as error:
-            seen[name] = f"{type(error).__name__}: {error}"
-    return seen
+    return refusals_of(attempts)
 
 
 def kaisa_scenario(rank, mesh, directory):

@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from _distributed import run_on_ranks
+from _distributed import refusals_of, run_on_ranks
 from _kaisa_fsdp2 import KAISA_CASES, KAISA_STEPS, kaisa_scenario
 from _shard_group_stall import STALL_TIMEOUT, stall_scenario
 
@@ -518,14 +518,7 @@ def _refusals(rank, mesh):
         "disagree": lambda: tritonopt.optim.MFAC(model.parameters(), lr=0.1 * (rank + 1), ngrads=NGRADS),
         "fosi_disagree": lambda: tritonopt.optim.FOSI(model.parameters(), k=2 + rank, hvp_eps=1e-3),
     }
-    seen = {}
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            seen[name] = None
-        except (ValueError, RuntimeError) as error:
-            seen[name] = f"{type(error).__name__}: {error}"
-    return seen
+    return refusals_of(attempts)
 
 
 def _skip_together(rank, mesh):

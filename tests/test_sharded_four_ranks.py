@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import test_fsdp2 as two
-from _distributed import run_on_ranks
+from _distributed import refusals_of, run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -201,14 +201,7 @@ def _refusals(rank, hsdp):
         "fosi_disagrees": lambda: tritonopt.optim.FOSI(model.parameters(), k=3 if rank == 3 else 2, hvp_eps=1e-3),
         "unsharded_into_hsdp": unsharded_into_hsdp,
     }
-    seen = {}
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            seen[name] = None
-        except (ValueError, RuntimeError) as error:
-            seen[name] = f"{type(error).__name__}: {error}"
-    return seen
+    return refusals_of(attempts)
 
 
 def _disagree_flat(rank, mesh):
