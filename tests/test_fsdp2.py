@@ -358,14 +358,17 @@ def _explicit_dtensors(rank, mesh, name):
             "window_shape": tuple(opt.state[params[0]]["ring_grads"].shape) if name in ("MFAC", "GGT") else None}
 
 
-def _lowrank_explicit(rank, mesh):
+def _lowrank_explicit(rank, mesh, placements=None, src_data_rank=0):
     """LowRankMFAC on Shard(0) matrices (13 rows: 7 and 6; 3 rows: 2 and 1) and a Replicate() vector, beside the
-    plain run with the same gradients: both runs' parameters after every step, and the bytes all-reduced."""
+    plain run with the same gradients: both runs' parameters after every step, and the bytes all-reduced.
+
+    ``placements`` (one list per parameter) lay them out on another mesh; ``src_data_rank=None`` takes each
+    rank's gradient as it is, unscattered (an HSDP mesh's replicas hold the same)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.manual_seed(1)
     fulls = [torch.randn(13, 5), torch.randn(3, 13), torch.randn(7)]
-    placements = [[Shard(0)], [Shard(0)], [Replicate()]]
+    placements = placements or [[Shard(0)], [Shard(0)], [Replicate()]]
     params = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, pl)) for f, pl in zip(fulls, placements)]
     plain = [torch.nn.Parameter(f.clone()) for f in fulls]
     opt, ref_opt = _optimizer("LowRankMFAC", params), _optimizer("LowRankMFAC", plain)
@@ -375,7 +378,7 @@ def _lowrank_explicit(rank, mesh):
         grads = [torch.randn(f.shape, generator=gen) for f in fulls]
         steps_grads.append(grads)
         for p, q, g, pl in zip(params, plain, grads, placements):
-            p.grad = distribute_tensor(g.clone(), mesh, pl)
+            p.grad = distribute_tensor(g.clone(), mesh, pl, src_data_rank=src_data_rank)
             q.grad = g.clone()
         opt.step()
         ref_opt.step()

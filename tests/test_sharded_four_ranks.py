@@ -106,29 +106,8 @@ def _explicit(rank, mesh, name):
 
 def _lowrank(rank, mesh):
     """LowRankMFAC on the same three parameters (the replicated vector stored exactly), beside the plain run."""
-    from torch.distributed.tensor import distribute_tensor
-
-    torch.manual_seed(1)
-    fulls = [torch.randn(13, 5), torch.randn(3, 13), torch.randn(7)]
     placements = [_placements(mesh, True), _placements(mesh, True), _placements(mesh, False)]
-    params = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, pl)) for f, pl in zip(fulls, placements)]
-    plain = [torch.nn.Parameter(f.clone()) for f in fulls]
-    opt, ref_opt = two._optimizer("LowRankMFAC", params), two._optimizer("LowRankMFAC", plain)
-    sharded, reference, steps_grads = [], [], []
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        grads = [torch.randn(f.shape, generator=gen) for f in fulls]
-        steps_grads.append(grads)
-        for p, q, g, pl in zip(params, plain, grads, placements):
-            p.grad = distribute_tensor(g.clone(), mesh, pl, src_data_rank=None)
-            q.grad = g.clone()
-        opt.step()
-        ref_opt.step()
-        sharded.append(torch.cat([p.full_tensor().detach().reshape(-1) for p in params]))
-        reference.append(torch.cat([q.detach().reshape(-1) for q in plain]))
-    return {"fulls": fulls, "grads": steps_grads, "sharded": sharded, "reference": reference,
-            "bytes": opt.shard_group.bytes_all_reduced, "calls": opt.shard_group.all_reduce_calls,
-            "local_rows": [tuple(opt.state[p]["ring_p"].shape) for p in params]}
+    return two._lowrank_explicit(rank, mesh, placements, src_data_rank=None)
 
 
 def _fosi_explicit(rank, mesh):
