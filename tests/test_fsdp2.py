@@ -323,26 +323,31 @@ def _compare_fsdp(rank, mesh, name):
             "grads_none": all(p.grad is None for p in model.parameters())}
 
 
-def _explicit_dtensors(rank, mesh, name):
-    """Shard(0) and Replicate() DTensors set by hand (a replicated bias counts 1/world on each rank)."""
+def _explicit_dtensors(rank, mesh, name, placements=None, src_data_rank=0):
+    """Shard(0) and Replicate() DTensors set by hand (a replicated bias counts 1/world on each rank), beside plain
+    tensors with the same gradients: the largest gap (over the bound, for a window), the bytes all-reduced, the
+    state's size and the window's local shape, the first parameter's local state and the shard spec.
+
+    ``placements`` (one list per parameter) lay them out on another mesh; ``src_data_rank=None`` takes each
+    rank's gradient as it is, unscattered (an HSDP mesh's replicas hold the same)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.manual_seed(1)
     fulls = [torch.randn(13, 5), torch.randn(3, 13), torch.randn(7)]
-    placements = [[Shard(0)], [Shard(0)], [Replicate()]]
+    placements = placements or [[Shard(0)], [Shard(0)], [Replicate()]]
     params = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, pl)) for f, pl in zip(fulls, placements)]
     plain = [torch.nn.Parameter(f.clone()) for f in fulls]
     opt, ref_opt = _optimizer(name, params), _optimizer(name, plain)
     gap, budget = 0.0, 0.0
+    kind = CASES[name][2]
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)
         grads = [torch.randn(f.shape, generator=gen) for f in fulls]
         for p, q, g, pl in zip(params, plain, grads, placements):
-            p.grad = distribute_tensor(g.clone(), mesh, pl)
+            p.grad = distribute_tensor(g.clone(), mesh, pl, src_data_rank=src_data_rank)
             q.grad = g.clone()
         opt.step()
         ref_opt.step()
-        kind = CASES[name][2]
         sharded = torch.cat([p.full_tensor().detach().reshape(-1) for p in params]).double()
         reference = torch.cat([q.detach().reshape(-1) for q in plain]).double()
         if kind is None:
@@ -351,11 +356,14 @@ def _explicit_dtensors(rank, mesh, name):
         lr = CASES[name][1]["lr"]
         budget = budget + lr * _window_bound(ref_opt, CASES[name][1][kind[1]], kind[0]) + 2 * U32 * reference.abs()
         gap = max(gap, float(((sharded - reference).abs() / budget).max()))
+    first = opt.state[params[0]]
     return {"gap": gap, "bytes": opt.shard_group.bytes_all_reduced, "calls": opt.shard_group.all_reduce_calls,
             "state_bytes": opt.state_bytes(), "expected_state_bytes": opt.expected_state_bytes()
             if hasattr(opt, "expected_state_bytes") else None,
             "ref_state_bytes": ref_opt.state_bytes(),
-            "window_shape": tuple(opt.state[params[0]]["ring_grads"].shape) if name in ("MFAC", "GGT") else None}
+            "window_shape": tuple(first["ring_grads"].shape) if "ring_grads" in first else None,
+            "local_state": {key: value.clone() for key, value in first.items() if isinstance(value, torch.Tensor)},
+            "spec": tuple(getattr(opt.shard_group.spec, key, None) for key in ("world", "rank", "replicas", "replica"))}
 
 
 def _lowrank_explicit(rank, mesh, placements=None, src_data_rank=0):

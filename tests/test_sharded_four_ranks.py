@@ -67,41 +67,9 @@ def _placements(mesh, rows: bool) -> list:
 
 def _explicit(rank, mesh, name):
     """Two Shard(0) matrices (13 x 5, 3 x 13) and a replicated vector set by hand, beside plain tensors with the same
-    gradients: the largest gap (over the bound, for a window), the bytes all-reduced, the window's local shape."""
-    from torch.distributed.tensor import distribute_tensor
-
-    torch.manual_seed(1)
-    fulls = [torch.randn(13, 5), torch.randn(3, 13), torch.randn(7)]
+    gradients: the 2-rank module's scenario on this mesh."""
     placements = [_placements(mesh, True), _placements(mesh, True), _placements(mesh, False)]
-    params = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, pl)) for f, pl in zip(fulls, placements)]
-    plain = [torch.nn.Parameter(f.clone()) for f in fulls]
-    opt, ref_opt = two._optimizer(name, params), two._optimizer(name, plain)
-    gap, budget = 0.0, 0.0
-    kind = CASES[name][2]
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        grads = [torch.randn(f.shape, generator=gen) for f in fulls]
-        for p, q, g, pl in zip(params, plain, grads, placements):
-            p.grad = distribute_tensor(g.clone(), mesh, pl, src_data_rank=None)
-            q.grad = g.clone()
-        opt.step()
-        ref_opt.step()
-        sharded = torch.cat([p.full_tensor().detach().reshape(-1) for p in params]).double()
-        reference = torch.cat([q.detach().reshape(-1) for q in plain]).double()
-        if kind is None:
-            gap = max(gap, float((sharded - reference).abs().max()))
-            continue
-        lr = CASES[name][1]["lr"]
-        budget = budget + lr * two._window_bound(ref_opt, CASES[name][1][kind[1]], kind[0]) + 2 * U32 * reference.abs()
-        gap = max(gap, float(((sharded - reference).abs() / budget).max()))
-    first = opt.state[params[0]]
-    local_state = {key: value.clone() for key, value in first.items() if isinstance(value, torch.Tensor)}
-    return {"gap": gap, "bytes": opt.shard_group.bytes_all_reduced, "calls": opt.shard_group.all_reduce_calls,
-            "state_bytes": opt.state_bytes(),
-            "expected_state_bytes": opt.expected_state_bytes() if hasattr(opt, "expected_state_bytes") else None,
-            "window_shape": tuple(first["ring_grads"].shape) if "ring_grads" in first else None,
-            "local_state": local_state, "spec": tuple(getattr(opt.shard_group.spec, key, None)
-                                                      for key in ("world", "rank", "replicas", "replica"))}
+    return two._explicit_dtensors(rank, mesh, name, placements, src_data_rank=None)
 
 
 def _lowrank(rank, mesh):
