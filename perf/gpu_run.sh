@@ -8,7 +8,8 @@
 #   bench     8   every perf/bench_<op>.py (each kernel against its floor and the torch composite)
 #   autotune  5   perf/autotune.py for ResNet-18 and BERT-base
 #   e2e       4   perf/bench_optimizer_step.py at the demo's and ResNet-18 size
-#   anchors   4   perf/bench_anchors.py beside the authors' code (make anchors first; else skipped pairs)
+#   anchors   4   perf/bench_anchors.py beside the authors' code, one run per size in ANCHOR_SIZES
+#                 (default: demo cnn resnet18; make anchors first, else the pairs are skipped)
 # About 33 minutes for all seven; each phase stops after PHASE_TIMEOUT seconds (default 600) and
 # never stops the others. A phase may also name one benchmark (bench_ef_topk, ...), to put the
 # ones that matter first on a machine lent for less time. DEADLINE (seconds, default none) bounds
@@ -70,7 +71,13 @@ for phase in "$@"; do
       run "$phase" $PY -m "perf.$phase" ;;
     autotune) run autotune $PY -m perf.autotune --model resnet18 bert-base ;;
     e2e) run e2e $PY -m perf.bench_optimizer_step --sizes demo resnet18 ;;
-    anchors) run anchors $PY -m perf.bench_anchors --sizes demo resnet18 --anchors "${ANCHORS_DIR:-.anchors}" ;;
+    anchors)
+      # One run per size, each to its own folder, so a size cut off by the deadline loses only
+      # its own table.
+      for size in ${ANCHOR_SIZES:-demo cnn resnet18}; do
+        run "anchors_$size" $PY -m perf.bench_anchors --sizes "$size" --anchors "${ANCHORS_DIR:-.anchors}" \
+          --out "perf/results/$label/anchors/$size"
+      done ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -90,3 +90,23 @@ def test_phases_past_the_deadline_are_skipped_and_recorded(tmp_path):
     assert rows[0][1] == "124" and int(rows[0][2]) <= 15
     assert rows[1][1] == rows[2][1] == "skipped" and "skipped, the DEADLINE of 15 s has passed" in result.stdout
     assert (tmp_path / "ran").read_text().split()[0] == "perf.bench_ssd_sgd"
+
+
+@pytest.mark.smoke
+def test_the_anchors_phase_runs_each_size_to_its_own_folder(tmp_path):
+    # One run per size, so a size cut off by the deadline (ResNet-18 takes minutes) loses only its own table.
+    recorder = tmp_path / "python"
+    recorder.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -m ]; then echo "$*" >> {tmp_path}/ran; exit 0; fi\n'
+                        f'exec {sys.executable} "$@"\n')
+    recorder.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(recorder), "LOG_DIR": str(tmp_path), "ANCHOR_SIZES": "demo cnn"}
+    result = subprocess.run(["bash", str(SCRIPT), "anchors"], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = (tmp_path / "ran").read_text().splitlines()
+    assert len(runs) == 2
+    for size, line in zip(["demo", "cnn"], runs):
+        assert line.startswith("-m perf.bench_anchors --sizes " + size + " ")
+        assert re.search(rf"--out perf/results/[\w-]+/anchors/{size}$", line), line
+    rows = (tmp_path / "summary.tsv").read_text().splitlines()[1:]
+    assert [row.split("\t")[0] for row in rows] == ["anchors_demo", "anchors_cnn"]
