@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tritonopt
+from tritonopt.optim.windowed import MAX_GRADIENT_NORM
 from _helpers import SHAPES, gradient_stream, make_params, set_grads
 from _optim_table import OPTIMIZERS, known_defect_marks
 
@@ -113,7 +114,9 @@ def test_fullgraph_stops_at_the_host_decision_of_the_nonfinite_policy():
     set_grads(params, gradient_stream(SHAPES, 1)[0])
     with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)) as failure:
         torch.compile(opt.step, backend="aot_eager", fullgraph=True)()
-    assert "MAX_GRADIENT_NORM" in str(failure.value) or "item" in str(failure.value)
+    # Dynamo names the host read (.item()) or, when it captures scalar outputs, the guard on the threshold itself.
+    message = str(failure.value)
+    assert "MAX_GRADIENT_NORM" in message or "item" in message or f"< {MAX_GRADIENT_NORM:.1e}" in message, message
 
 
 def test_fosi_runs_its_update_eagerly_under_fullgraph_it_is_a_graph_break():
