@@ -74,11 +74,12 @@ def run_dho2(rank, size, group, variant, *, dtype=torch.float32, features=False)
         # Checkpoints are per rank: a rank's own state loads, rank 0's on every rank is refused.
         own = copy.deepcopy(opt.state_dict())  # state_dict() returns live buffers
         opt.load_state_dict(own)
+        # This rank's rows of V as held (the state dict pads them with zero rows to k + l).
+        out["own_vectors"] = torch.cat([s["eigenvectors"].reshape(-1) for s in opt.state.values()]).clone()
         shared = [own if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0, group=group)
         out["foreign_load"] = load_error(opt, shared[0])
         out["after_foreign_load"] = torch.cat([s["eigenvectors"].reshape(-1) for s in opt.state.values()])
-        out["own_vectors"] = torch.cat([s["eigenvectors"].reshape(-1) for s in own["state"].values()])
         # A state dict that is malformed on rank 1 only: every rank refuses, nothing changes.
         tampered = copy.deepcopy(own)
         if rank == 1:

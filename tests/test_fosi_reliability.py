@@ -73,8 +73,9 @@ def test_a_bad_learning_rate_set_after_construction_changes_nothing():
                 assert torch.equal(after["state"][pid][name], value), name
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle", "state_dict"])
-def test_copies_and_checkpoints_resume_bit_for_bit(how):
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp's no_dist, as meant
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "state_dict", "torch.distributed.checkpoint"])
+def test_copies_and_checkpoints_resume_bit_for_bit(how, tmp_path):
     model, loss_fn, opt = build()
     with tritonopt.use_backend("reference"):
         train(model, opt, loss_fn, 6)  # mid-run: curvature installed, velocity non-zero
@@ -82,6 +83,18 @@ def test_copies_and_checkpoints_resume_bit_for_bit(how):
             model2, opt2 = copy.deepcopy((model, opt))  # the loss object is copied with its model
         elif how == "pickle":
             model2, opt2 = pickle.loads(pickle.dumps((model, opt)))  # the loss travels with its model
+        elif how == "torch.distributed.checkpoint":
+            # It keeps only state and param_groups, so FOSI's global state must travel in the groups.
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+            dcp.save({"model": model.state_dict(), "opt": get_optimizer_state_dict(model, opt)},
+                     checkpoint_id=tmp_path, no_dist=True)
+            model2, _, opt2 = build()
+            template = {"model": model2.state_dict(), "opt": get_optimizer_state_dict(model2, opt2)}
+            dcp.load(template, checkpoint_id=tmp_path, no_dist=True)
+            model2.load_state_dict(template["model"])
+            set_optimizer_state_dict(model2, opt2, template["opt"])
         else:
             buffer = io.BytesIO()
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
@@ -124,7 +137,7 @@ def foreign_adam_state():
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda s: s.pop("fosi"), "no 'fosi' entry"),
+    (lambda s: (s.pop("fosi"), s["param_groups"][0].pop("fosi")), "no 'fosi' entry"),
     (lambda s: s["fosi"].pop("base_step"), "lacks"),
     (lambda s: s["state"][0].pop("exp_avg_sq"), "keeps"),
     (lambda s: s["state"][0].__setitem__("exp_avg", torch.zeros(3)), "shape"),
@@ -134,6 +147,8 @@ def foreign_adam_state():
     (lambda s: s["fosi"].__setitem__("eigenvalues", torch.ones(5, dtype=torch.float64)), "at most k \\+ l"),
     (lambda s: s["fosi"].__setitem__("g1_velocity", torch.zeros(7)), "g1_velocity"),
     (lambda s: s["fosi"].__setitem__("step", -1), "step"),
+    # The copy in the first parameter group (what torch.distributed.checkpoint keeps) must agree.
+    (lambda s: s["param_groups"][0]["fosi"].__setitem__("ese_count", 7), "holds the same value in both"),
     (lambda s: s["param_groups"].append(dict(s["param_groups"][0])), "parameter groups"),
     (lambda s: s["param_groups"][0].__setitem__("lr", -1.0), "lr"),
 ])
@@ -186,3 +201,24 @@ def test_one_host_read_per_step_and_one_per_lanczos_iteration():
     # An ESE step: one read per Lanczos iteration (m - 1 of them), the diagonal of B once,
     # and a few host-side numbers of the m x m eigendecomposition (CPU data, not device syncs).
     assert all(reads[i] <= m + 6 for i in (1, 5)), reads
+
+
+def test_a_checkpoint_holds_k_plus_l_basis_rows_whatever_the_ritz_values_found():
+    # Before the first ESE there is no basis (r = 0): the state dict pads each parameter's rows of V with zeros to
+    # k + l, the shape every checkpoint of these settings has (torch.distributed.checkpoint loads into a fresh
+    # optimizer's template of that shape), and a load keeps the first r rows.
+    model, loss_fn, opt = build()
+    with tritonopt.use_backend("reference"):
+        train(model, opt, loss_fn, 1)
+        saved = opt.state_dict()
+        assert opt.eigenvalues.numel() == 0 and opt.state[model[0].weight]["eigenvectors"].shape[0] == 0
+        rows = SETTINGS["k"] + SETTINGS["l"]
+        for entry in saved["state"].values():
+            assert entry["eigenvectors"].shape[0] == rows and not entry["eigenvectors"].any()
+        model2, _, opt2 = build()
+        model2.load_state_dict(model.state_dict())
+        opt2.load_state_dict(copy.deepcopy(saved))
+        assert opt2.state[model2[0].weight]["eigenvectors"].shape[0] == 0
+        train(model, opt, loss_fn, 6)  # the ESEs before updates 1 and 5
+        train(model2, opt2, opt2.curvature_loss_fn, 6)
+    assert_same_run((model, opt), (model2, opt2))

@@ -204,6 +204,7 @@ def _checkpoint_case(rank, hsdp, flat4, pair, pair_mesh, directory, name, kwargs
     buffer = io.BytesIO()
     torch.save({"model": [p.detach().clone() for p in model.parameters()], "optim": opt.state_dict()}, buffer)
     saved_state = _state_of(opt, list(model.parameters()))
+    saved_whole = two._whole_state(opt) if name in RESHARDABLE else None  # (gloo gathers no int16 ring)
     gradients = []
     uninterrupted = two._run(model, opt, rank, range(3, STEPS), gradients)
 
@@ -230,26 +231,29 @@ def _checkpoint_case(rank, hsdp, flat4, pair, pair_mesh, directory, name, kwargs
     seen = {"dcp_refused": refused, "dcp": via_dcp is not None and torch.equal(via_dcp, uninterrupted),
             "state_dict": torch.equal(via_state_dict, uninterrupted), "unsharded_refused": unsharded_refused}
     if rank < 2:
-        seen["pair"] = _resume_elsewhere(rank, pair_mesh, pair, name, kwargs, path, saved_state, gradients,
-                                         uninterrupted)
-    seen["flat4"] = _resume_elsewhere(rank, flat4, None, name, kwargs, path, None, gradients, uninterrupted)
+        seen["pair"] = _resume_elsewhere(rank, pair_mesh, pair, name, kwargs, path, saved_state, saved_whole,
+                                         gradients, uninterrupted)
+    seen["flat4"] = _resume_elsewhere(rank, flat4, None, name, kwargs, path, None, saved_whole, gradients,
+                                      uninterrupted)
     if name in RESHARDABLE:  # and the other way: 3 steps on the 1-D mesh of 4, resumed on the 2x2 mesh
         model4 = two._sharded_model(flat4)
         opt4 = two._model_optimizer(name, model4, **kwargs)
         two._run(model4, opt4, rank, range(3))
+        saved_whole4 = two._whole_state(opt4)
         dcp.save({"model": get_model_state_dict(model4), "optim": get_optimizer_state_dict(model4, opt4)},
                  checkpoint_id=f"{path}-flat4")
         gradients4 = []
         uninterrupted4 = two._run(model4, opt4, rank, range(3, STEPS), gradients4)
         seen["flat4_to_hsdp"] = _resume_elsewhere(rank, hsdp, None, name, kwargs, f"{path}-flat4", None,
-                                                  gradients4, uninterrupted4)
+                                                  saved_whole4, gradients4, uninterrupted4)
     return seen
 
 
-def _resume_elsewhere(rank, mesh, group, name, kwargs, path, saved_state, gradients, uninterrupted):
+def _resume_elsewhere(rank, mesh, group, name, kwargs, path, saved_state, saved_whole, gradients, uninterrupted):
     """The checkpoint at ``path`` loaded on ``mesh`` through torch.distributed.checkpoint; where it loads, its state
-    against ``saved_state`` (this rank's part as saved, when the shard dimension is the same) and the steps after
-    it, with the uninterrupted run's gradients, against that run."""
+    against ``saved_state`` (this rank's part as saved, when the shard dimension is the same) and ``saved_whole``
+    (every entry gathered whole), and the steps after it, with the uninterrupted run's gradients, against that
+    run."""
     from torch.distributed.tensor import distribute_tensor
 
     model = two._sharded_model(mesh)
@@ -260,14 +264,17 @@ def _resume_elsewhere(rank, mesh, group, name, kwargs, path, saved_state, gradie
     params = list(model.parameters())
     if saved_state is not None:
         seen["state_equal"] = _same_state(_state_of(opt, params), saved_state)
-    if name == "FOSI":  # its next step runs an estimate through this mesh's model: other products, not compared
-        return seen
     # The checkpoint loaded into a plain model in this one process, given the same gradients (the optimizers that
     # reshard; the 2-rank module checks that the others refuse it).
     plain_model = two._model()
     plain = two._plain_template_optimizer(name, plain_model, **kwargs)
     seen["plain_refused"] = (two._load_dcp(plain_model, plain, path, None, no_dist=True) if name in RESHARDABLE
                              else "not tried")
+    if name == "FOSI":  # its next step runs an estimate through this mesh's model: other products, not compared
+        seen["whole_state_equal"] = two.same_whole_state(two._whole_state(opt), saved_whole)
+        seen["plain_state_equal"] = seen["plain_refused"] is None and two.same_whole_state(
+            two._whole_state(plain), saved_whole)
+        return seen
     kind = CASES[name][2] if name in CASES else None
     budget = torch.zeros(())
     for step_gradients in gradients:
@@ -529,11 +536,14 @@ def test_an_hsdp_checkpoint_resumes_on_a_1d_mesh_of_its_shard_dimension(ranks, n
 @pytest.mark.parametrize("name", list(CHECKPOINT_SETTINGS))
 def test_an_hsdp_checkpoint_on_another_shard_dimension_reshards_or_is_refused(ranks, name):
     # On the 1-D mesh of 4: FlatSGD and SparseAdaGrad (per-coordinate state) reshard; FlatSGD then goes on as the
-    # uninterrupted run (elementwise), SparseAdaGrad cuts its Top-k blocks from 4 shards instead of 2. The others
-    # are refused, naming both shard counts (SparseMFAC by DCP itself: its window's blocks change shape).
+    # uninterrupted run (elementwise), SparseAdaGrad cuts its Top-k blocks from 4 shards instead of 2. FOSI's state
+    # (its basis V and Adam's moments per coordinate, its Ritz values the same on every rank) loads as saved. The
+    # others are refused, naming both shard counts (SparseMFAC by DCP itself: its window's blocks change shape).
     for result in ranks:
         seen = _seen(result, "checkpoints", name)["flat4"]
-        if name in two.SUMS_OVER_COORDINATES:
+        if name == "FOSI":
+            assert seen["refused"] is None and seen["whole_state_equal"], seen
+        elif name in two.SUMS_OVER_COORDINATES:
             # A dense window's rows and Gram matrix load exactly; the resumed steps' products sum over 4 ranks'
             # coordinates instead of 2's: the uninterrupted run within _window_bound.
             assert seen["refused"] is None and seen["gap_over_bound"] <= 1.0, seen
@@ -551,11 +561,14 @@ def test_an_hsdp_checkpoint_on_another_shard_dimension_reshards_or_is_refused(ra
 def test_a_checkpoint_of_four_ranks_resumes_on_the_hsdp_mesh(ranks, name):
     # 4 -> 2: saved on the 1-D mesh of 4, resumed on the 2x2 mesh (2 shard ranks), given the uninterrupted run's
     # gradients. FlatSGD is elementwise: bit for bit. A dense window: within _window_bound (the products' sums over
-    # 2 ranks' coordinates instead of 4's). SparseAdaGrad: Top-k blocks cut from 2 shards instead of 4.
+    # 2 ranks' coordinates instead of 4's). SparseAdaGrad: Top-k blocks cut from 2 shards instead of 4. FOSI: its
+    # state as saved (its next step's estimate runs through this mesh's model: other products, not compared).
     for result in ranks:
         seen = _seen(result, "checkpoints", name)["flat4_to_hsdp"]
         assert seen["refused"] is None, seen
-        if name in two.SUMS_OVER_COORDINATES:
+        if name == "FOSI":
+            assert seen["whole_state_equal"], seen
+        elif name in two.SUMS_OVER_COORDINATES:
             assert seen["gap_over_bound"] <= 1.0, seen
         else:
             assert seen["equals_uninterrupted"] == (name == "FlatSGD"), seen
@@ -567,11 +580,14 @@ def test_a_checkpoint_of_two_or_four_shard_ranks_loads_into_a_plain_model(ranks,
     # The checkpoint of the 2x2 mesh (2 shard ranks) and of the 1-D mesh of 4, loaded into the optimizer over a plain
     # model in one process (dcp.load with no_dist=True into get_optimizer_state_dict's template, then
     # set_optimizer_state_dict), given the uninterrupted run's gradients: FlatSGD bit for bit, a dense window within
-    # _window_bound (one sum over every coordinate), SparseAdaGrad with one rank's blocks.
+    # _window_bound (one sum over every coordinate), SparseAdaGrad with one rank's blocks, FOSI with its state as
+    # saved.
     for result in ranks:
         seen = _seen(result, "checkpoints", name)[source]
         assert seen["plain_refused"] is None, seen
-        if name in two.SUMS_OVER_COORDINATES:
+        if name == "FOSI":
+            assert seen["plain_state_equal"], seen
+        elif name in two.SUMS_OVER_COORDINATES:
             assert seen["plain_gap_over_bound"] <= 1.0, seen
         else:
             assert seen["plain_equals_uninterrupted"] == (name == "FlatSGD"), seen

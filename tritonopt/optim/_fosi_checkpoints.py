@@ -1,9 +1,10 @@
 """FOSI's checkpoints and copies: its global state beside the per-parameter one, checked before a load.
 
 On sharded parameters the per-parameter state shows as DTensors (``eigenvectors``
-``[r, *param.shape]`` sharded along dimension 1 like the parameter's rows), and
-the global state travels in the first parameter group as well, as plain numbers:
-``torch.distributed.checkpoint`` keeps only ``state`` and ``param_groups``.
+``[r, *param.shape]`` sharded along dimension 1 like the parameter's rows). The
+global state travels in the first parameter group as well, as plain numbers,
+sharded or not: ``torch.distributed.checkpoint`` keeps only ``state`` and
+``param_groups``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,21 @@ from collections import defaultdict
 import torch
 
 from tritonopt._validation import check_float, check_int
-from tritonopt.optim._checkpoints import SHARD_WORLD_KEY
 from tritonopt.optim._sharding import is_sharded, like_param_rows, local_tensor
 
 BASE_STATE = {"adam": ("exp_avg", "exp_avg_sq"), "heavy_ball": ("momentum_buffer",), "sgd": ()}
 _GLOBAL_KEYS = ("eigenvalues", "all_eigenvalues", "ritz_scale", "g1_velocity", "base_scale", "step",
                 "base_step", "ese_count", "velocity_bound")
-_GROUP_KEY = "fosi"  # the global state, as plain numbers, in a sharded state dict's first parameter group
+_GROUP_KEY = "fosi"  # the global state, as plain numbers, in the state dict's first parameter group
 _VECTORS = ("eigenvalues", "all_eigenvalues", "g1_velocity")
+
+
+def _padded_rows(vectors: torch.Tensor, rows: int) -> torch.Tensor:
+    """``vectors`` ``[r, ...]`` with zero rows below, ``rows`` in all: a checkpoint's basis has one shape whatever
+    ``r``, so that ``torch.distributed.checkpoint`` loads it into a fresh optimizer's template."""
+    if vectors.shape[0] >= rows:
+        return vectors
+    return torch.cat([vectors, vectors.new_zeros((rows - vectors.shape[0], *vectors.shape[1:]))])
 
 
 def _as_numbers(extra: dict) -> dict:
@@ -49,11 +57,37 @@ def _from_numbers(numbers) -> dict:
     return out
 
 
+def _check_same_global_state(extra, in_group: dict) -> None:
+    """``state_dict()`` holds FOSI's global state twice (``state_dict['fosi']`` and its first group's copy):
+    ``ValueError`` naming the first entry in which they differ."""
+    if not isinstance(extra, dict):
+        return  # _check_saved names the problem
+    for key in sorted(set(extra) | set(in_group)):
+        mine, theirs = extra.get(key), in_group.get(key)
+        tensors = isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)
+        same = (mine.dtype == theirs.dtype and torch.equal(mine, theirs)) if tensors else (
+            type(mine) is type(theirs) and not isinstance(mine, torch.Tensor) and mine == theirs)
+        if not same:
+            raise ValueError(f"state_dict['fosi'][{key!r}] is {mine!r} and param_groups[0][{_GROUP_KEY!r}][{key!r}] "
+                             f"{theirs!r}: a state dict of state_dict() holds the same value in both")
+
+
 class FOSICheckpoints:
     """``state_dict`` (with ``"fosi"``: the global state), ``load_state_dict`` and pickling for :class:`FOSI`."""
 
+    LIKE_PARAM_ENTRIES = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer"})
+    # The base optimizer's state and the basis V are per coordinate, laid out like the parameters; the Ritz
+    # values, g1's velocity along V and the counters are the same on every rank.
+    # So a torch.distributed.checkpoint resumes on any number of ranks, or in an unsharded optimizer.
+    RESHARDABLE = True
+    LIKE_PARAM_ROWS_ENTRIES = frozenset({"eigenvectors"})
+
     def state_dict(self) -> dict:
         state = super().state_dict()
+        rows = self.config.k + self.config.l
+        state["state"] = {key: {**entry, "eigenvectors": _padded_rows(entry["eigenvectors"], rows)}
+                          if "eigenvectors" in entry and not is_sharded(entry["eigenvectors"]) else entry
+                          for key, entry in state["state"].items()}
         state["fosi"] = {
             "eigenvalues": self.eigenvalues.clone(),
             "all_eigenvalues": self.all_eigenvalues.clone(),
@@ -66,7 +100,7 @@ class FOSICheckpoints:
             "velocity_bound": self.velocity_bound,
             **self.subspace.identity(),
         }
-        if self._shards is not None and state["param_groups"]:
+        if state["param_groups"]:  # what torch.distributed.checkpoint keeps, sharded or not
             state["param_groups"][0][_GROUP_KEY] = _as_numbers(state["fosi"])
         return state
 
@@ -76,20 +110,9 @@ class FOSICheckpoints:
         for key, entry in shown.items():
             vectors = entry.get("eigenvectors")
             if isinstance(vectors, torch.Tensor) and not is_sharded(vectors):
-                entry["eigenvectors"] = like_param_rows(vectors, params[key])
+                entry["eigenvectors"] = like_param_rows(_padded_rows(vectors, self.config.k + self.config.l),
+                                                        params[key])
         return shown
-
-    def _check_shard_world(self, saved) -> None:
-        world = self._shards.spec.world if self._shards is not None else None
-        valid = saved is None or (isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1)
-        if saved != world and valid:
-            saved_text, mine_text = self._world_texts(saved)
-            raise ValueError(
-                f"{SHARD_WORLD_KEY}: the state dict was saved for {saved_text}, this optimizer has {mine_text}; "
-                f"{type(self).__name__} cannot reshard its state (each rank keeps its rows of the basis V and of the "
-                "base optimizer's state): resume with the same number of ranks"
-            )
-        super()._check_shard_world(saved)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a :meth:`state_dict`; a malformed or foreign one raises before anything changes."""
@@ -99,16 +122,20 @@ class FOSICheckpoints:
                 raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (an optimizer's "
                                  "state_dict)")
             state_dict = dict(state_dict)
-            extra = state_dict.pop("fosi", None)
+            extra, in_group = state_dict.pop("fosi", None), None
             groups = state_dict["param_groups"]
             if isinstance(groups, (list, tuple)) and any(isinstance(g, dict) and _GROUP_KEY in g for g in groups):
+                in_group = _from_numbers(groups[0].get(_GROUP_KEY) if isinstance(groups[0], dict) else None)
                 if extra is None:  # through torch.distributed.checkpoint, which keeps only the groups
-                    extra = _from_numbers(groups[0].get(_GROUP_KEY) if isinstance(groups[0], dict) else None)
+                    extra = in_group
                 state_dict["param_groups"] = [{k: v for k, v in g.items() if k != _GROUP_KEY}
                                               if isinstance(g, dict) else g for g in groups]
             if extra is None:
                 raise ValueError("state_dict has no 'fosi' entry: it was not saved by FOSI")
+            state_dict["state"] = self._unpadded(state_dict["state"], extra)
             self._check_saved(state_dict, extra)
+            if in_group is not None and in_group is not extra:
+                _check_same_global_state(extra, in_group)
         except ValueError as exc:
             problem = exc
         except TypeError as exc:  # a field of the wrong kind is a bad value of the state dict
@@ -130,6 +157,22 @@ class FOSICheckpoints:
         self.step_count, self.base_step = int(extra["step"]), int(extra["base_step"])
         self.ese_count = int(extra["ese_count"])
         self.velocity_bound = float(extra["velocity_bound"])
+
+    def _unpadded(self, saved_state, extra):
+        """The saved bases cut to their ``r`` rows (``r``: the saved Ritz values) where :meth:`state_dict` padded
+        them to ``k + l``; anything else as given, for :meth:`_check_saved` to judge."""
+        values = extra.get("eigenvalues") if isinstance(extra, dict) else None
+        if not isinstance(saved_state, dict) or not isinstance(values, torch.Tensor) or values.dim() != 1:
+            return saved_state
+        rows, rank = self.config.k + self.config.l, values.numel()
+
+        def cut(entry):
+            vectors = entry.get("eigenvectors") if isinstance(entry, dict) else None
+            if isinstance(vectors, torch.Tensor) and vectors.dim() >= 1 and vectors.shape[0] == rows != rank:
+                return {**entry, "eigenvectors": vectors[:rank]}
+            return entry
+
+        return {key: cut(entry) for key, entry in saved_state.items()}
 
     def _check_saved(self, state_dict: dict, extra) -> None:
         """Everything a load relies on, checked before anything changes (names the first problem)."""

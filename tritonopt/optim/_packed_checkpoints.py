@@ -44,7 +44,14 @@ from tritonopt.optim._checkpoints import (
     check_param_layout,
     param_layout,
 )
-from tritonopt.optim._sharding import is_sharded, like_param, local_tensor, rank_stacked, shard_world_of
+from tritonopt.optim._sharding import (
+    is_sharded,
+    like_param,
+    local_tensor,
+    rank_stacked,
+    rows_placements,
+    shard_world_of,
+)
 
 # Kept in every saved parameter group of a sharded optimizer too: torch.distributed.checkpoint's
 # get_optimizer_state_dict passes on only "state" and "param_groups".
@@ -64,6 +71,9 @@ class PackedCheckpoints:
     # over the ranks along their first dimension.
     LIKE_PARAM_ENTRIES: frozenset = frozenset()
     RANK_STACKED_ENTRIES: frozenset = frozenset()
+    # Entries of vectors laid out like the parameter, [r, *p.shape] (a DTensor sharded along dimension 1 where the
+    # parameter is along 0): a subclass shows them so, and they reshard as the parameter's rows do.
+    LIKE_PARAM_ROWS_ENTRIES: frozenset = frozenset()
     # True where a sharded checkpoint may resume on another number of ranks: the whole state is per coordinate
     # and laid out like the parameter (LIKE_PARAM_ENTRIES) or the same on every rank (counters), so what
     # torch.distributed.checkpoint reshards onto this optimizer's parameters is each coordinate's saved state.
@@ -82,6 +92,11 @@ class PackedCheckpoints:
         """Whether state ``name`` (``value``) of parameter ``p`` is laid out for ``p`` as this optimizer holds it
         (a DTensor laid out like ``p``, or a tensor of its whole shape); None for an entry that is not per
         coordinate (a counter, a replicated ``m x m`` matrix), which every rank holds alike."""
+        if name in self.LIKE_PARAM_ROWS_ENTRIES:
+            laid_out = value.dim() == p.dim() + 1 and tuple(value.shape[1:]) == tuple(p.shape)
+            if is_sharded(value):
+                return laid_out and is_sharded(p) and list(value.placements) == rows_placements(p, 1)
+            return laid_out
         if name not in self.LIKE_PARAM_ENTRIES:
             return None
         if is_sharded(value):

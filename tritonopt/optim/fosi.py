@@ -173,16 +173,16 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
     State (per parameter, views of flat buffers, float32 or float64 as above;
     on sharded parameters the rank's part, shown as DTensors by ``state_dict``):
     ``exp_avg`` and ``exp_avg_sq`` (Adam) or ``momentum_buffer`` (heavy-ball),
-    and ``eigenvectors`` (``[r, *param.shape]``: the parameter's slice of ``V``).
-    Global state (``state_dict()["fosi"]``): ``eigenvalues`` and
-    ``all_eigenvalues`` (float64), ``ritz_scale``, ``g1_velocity``,
+    and ``eigenvectors`` (``[r, *param.shape]``: the parameter's slice of ``V``;
+    ``state_dict`` pads it with zero rows to ``k + l``, whatever ``r``).
+    Global state (``state_dict()["fosi"]``, copied into its first group):
+    ``eigenvalues``, ``all_eigenvalues`` (float64), ``ritz_scale``, ``g1_velocity``,
     ``base_scale``, ``step``, ``base_step``, ``ese_count``, ``velocity_bound``.
-    ``copy.deepcopy``, ``pickle`` and a ``state_dict`` round trip through
-    ``torch.load(weights_only=True)`` resume bit for bit.
+    Copies, pickles, a ``state_dict`` through ``torch.load(weights_only=True)`` and
+    torch.distributed.checkpoint resume bit for bit (the last on any rank count).
     """
 
     SHARDING_REFUSAL = None
-    LIKE_PARAM_ENTRIES = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer"})
 
     def __init__(
         self,

@@ -91,7 +91,7 @@ from tritonopt.optim._packed import (
     bind_flat_state,
 )
 from tritonopt.optim._checkpoints import LAYOUT_KEY, check_param_layout
-from tritonopt.optim._sharding import is_row_sharded, is_sharded, like_param_rows, local_tensor, rows_placements
+from tritonopt.optim._sharding import is_row_sharded, is_sharded, like_param_rows, local_tensor
 from tritonopt.optim._windows import DenseWindow
 from tritonopt.optim.functional import apply_decoupled_update, heavy_ball_momentum, window_weights
 
@@ -122,6 +122,7 @@ class WindowedPreconditioner(PackedOptimizer):
     SHARDING_REFUSAL = None
     LIKE_PARAM_ENTRIES = frozenset({"error", "momentum_buffer"})
     RANK_STACKED_ENTRIES = frozenset({"ring_indices", "ring_values"})
+    LIKE_PARAM_ROWS_ENTRIES = frozenset({"ring_rows"})  # a dense window's rows, as its state_dict shows them
 
     def __init__(self, params: Iterable, defaults: dict, on_nonfinite: str, *,
                  per_group_windows: bool = False, track_error_norm: bool = False):
@@ -268,14 +269,6 @@ class WindowedPreconditioner(PackedOptimizer):
 
     def _reshard_refusal(self) -> Optional[str]:
         return self.WINDOW.RESHARD_REFUSAL
-
-    def _resharded_layout(self, name: str, value: torch.Tensor, p) -> Optional[bool]:
-        if name != "ring_rows":
-            return super()._resharded_layout(name, value, p)
-        laid_out = value.dim() == p.dim() + 1 and tuple(value.shape[1:]) == tuple(p.shape)
-        if is_sharded(value):
-            return laid_out and is_sharded(p) and list(value.placements) == rows_placements(p, 1)
-        return laid_out
 
     def _window_keys(self, groups: Sequence[dict]) -> list[list[int]]:
         """The state dict keys (positions) of each window's parameters, for ``groups`` (this optimizer's or a
