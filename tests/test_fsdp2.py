@@ -264,10 +264,14 @@ CHECKPOINT_SETTINGS = {
 }
 # The optimizers whose state is per coordinate and laid out like the parameter, or the same on every rank (a dense
 # window's m x m Gram matrix and counters; FOSI's Ritz values): a checkpoint of them reshards.
-RESHARDABLE = ("FlatSGD", "SparseAdaGrad", "MFAC", "GGT", "FOSI")
+RESHARDABLE = ("FlatSGD", "SparseAdaGrad", "MFAC", "GGT", "LowRankMFAC", "FOSI")
 # Of those, the ones whose steps sum over coordinates (the window's products): resumed on another number of ranks
 # they differ from the uninterrupted run by the order of those sums, within _window_bound.
 SUMS_OVER_COORDINATES = ("MFAC", "GGT")
+# Of those, the ones whose sharded arithmetic sums in another order than the plain one's, on 1 rank too (FOSI's dot
+# products and norms, LowRankMFAC's power iteration over the ranks' rows), and for which no bound on a resumed run
+# is derived here: a checkpoint resumed on 1 rank is compared with a sharded twin given the whole saved state.
+SHARDED_TWIN_COMPARED = ("LowRankMFAC", "FOSI")
 
 
 def _optimizer(name: str, params, **overrides):
@@ -785,10 +789,9 @@ def _resume_on_one_rank(rank, directory, saved_on_two):
             dcp_model = _model()
             dcp_opt = _plain_template_optimizer(name, dcp_model, **kwargs)
             seen["plain_dcp_refused"] = _load_dcp(dcp_model, dcp_opt, path, None, no_dist=True)
-            # FOSI's sharded arithmetic sums its dot products and norms in another order than the plain one's, on
-            # 1 rank too: its twin is a sharded FOSI on this mesh given the whole saved state by load_state_dict.
+            # The twin: a sharded optimizer on this mesh given the whole saved state by load_state_dict.
             twin_model = twin = None
-            if name == "FOSI":
+            if name in SHARDED_TWIN_COMPARED:
                 twin_model = _sharded_model(mesh)
                 with torch.no_grad():
                     for p, value in zip(twin_model.parameters(), saved["params"].split([p.numel() for p in params])):
@@ -1080,9 +1083,9 @@ def test_a_dcp_checkpoint_of_two_ranks_resumes_on_one_rank_bit_for_bit(ranks, na
     # the saved ones (every rank held the same), bit for bit.
     assert seen["params_equal"] and seen["state_equal"], seen
     # The resumed run is the one started on 1 rank from that state (as on plain tensors, the whole state loaded;
-    # FOSI: as its sharded twin given the whole state), and the checkpoint loaded into a plain model in one process
-    # goes on as the plain optimizer given the whole state.
-    assert seen["equals_twin"] if name == "FOSI" else seen["equals_plain"], seen
+    # SHARDED_TWIN_COMPARED: as a sharded twin given the whole state), and the checkpoint loaded into a plain model
+    # in one process goes on as the plain optimizer given the whole state.
+    assert seen["equals_twin"] if name in SHARDED_TWIN_COMPARED else seen["equals_plain"], seen
     assert seen["plain_dcp_refused"] is None and seen["plain_dcp_equal"], seen
     if name == "FlatSGD":  # elementwise: also the 2 ranks' own run, given the same gradients
         assert seen["equals_two_ranks"], seen
@@ -1092,9 +1095,8 @@ def test_a_dcp_checkpoint_of_two_ranks_resumes_on_one_rank_bit_for_bit(ranks, na
         assert seen["gap_over_bound"] <= 1.0, seen
     elif name == "SparseAdaGrad":  # Top-k blocks of 8 cut from 1 rank's shard instead of 2 ranks': by design
         assert not seen["equals_two_ranks"], seen
-    # FOSI: its next estimate's dot products and norms sum over 1 rank's coordinates instead of 2 ranks' partial
-    # sums, so the resumed run is the one started unsharded from the saved state (above), which the FOSI tests
-    # above bound against a sharded run.
+    # SHARDED_TWIN_COMPARED: the resumed steps sum over 1 rank's coordinates instead of 2 ranks' partial sums; the
+    # FOSI and LowRankMFAC tests above bound a sharded run against the unsharded one from the start.
     # The per-rank state dict holds rank 0's part only: still refused, pointing to the checkpoint that reshards.
     refused = seen["per_rank_refused"]
     assert refused is not None and "sharded over 2 ranks" in refused and "over 1" in refused, refused

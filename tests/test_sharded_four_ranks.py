@@ -270,7 +270,9 @@ def _resume_elsewhere(rank, mesh, group, name, kwargs, path, saved_state, saved_
     plain = two._plain_template_optimizer(name, plain_model, **kwargs)
     seen["plain_refused"] = (two._load_dcp(plain_model, plain, path, None, no_dist=True) if name in RESHARDABLE
                              else "not tried")
-    if name == "FOSI":  # its next step runs an estimate through this mesh's model: other products, not compared
+    if name == "FOSI" or (name in two.SHARDED_TWIN_COMPARED and saved_state is None):
+        # FOSI's next step runs an estimate through this mesh's model; on another shard count LowRankMFAC's power
+        # iteration sums over other ranks' rows, with no bound derived here: the state compared, not the steps.
         seen["whole_state_equal"] = two.same_whole_state(two._whole_state(opt), saved_whole)
         seen["plain_state_equal"] = seen["plain_refused"] is None and two.same_whole_state(
             two._whole_state(plain), saved_whole)
@@ -536,12 +538,12 @@ def test_an_hsdp_checkpoint_resumes_on_a_1d_mesh_of_its_shard_dimension(ranks, n
 @pytest.mark.parametrize("name", list(CHECKPOINT_SETTINGS))
 def test_an_hsdp_checkpoint_on_another_shard_dimension_reshards_or_is_refused(ranks, name):
     # On the 1-D mesh of 4: FlatSGD and SparseAdaGrad (per-coordinate state) reshard; FlatSGD then goes on as the
-    # uninterrupted run (elementwise), SparseAdaGrad cuts its Top-k blocks from 4 shards instead of 2. FOSI's state
-    # (its basis V and Adam's moments per coordinate, its Ritz values the same on every rank) loads as saved. The
-    # others are refused, naming both shard counts (SparseMFAC by DCP itself: its window's blocks change shape).
+    # uninterrupted run (elementwise), SparseAdaGrad cuts its Top-k blocks from 4 shards instead of 2. FOSI's and
+    # LowRankMFAC's state (per coordinate, by the parameters' rows, or the same on every rank) loads as saved. The
+    # sparse windows are refused, naming both shard counts (SparseMFAC by DCP itself: its window's blocks change shape).
     for result in ranks:
         seen = _seen(result, "checkpoints", name)["flat4"]
-        if name == "FOSI":
+        if name in two.SHARDED_TWIN_COMPARED:
             assert seen["refused"] is None and seen["whole_state_equal"], seen
         elif name in two.SUMS_OVER_COORDINATES:
             # A dense window's rows and Gram matrix load exactly; the resumed steps' products sum over 4 ranks'
@@ -561,12 +563,12 @@ def test_an_hsdp_checkpoint_on_another_shard_dimension_reshards_or_is_refused(ra
 def test_a_checkpoint_of_four_ranks_resumes_on_the_hsdp_mesh(ranks, name):
     # 4 -> 2: saved on the 1-D mesh of 4, resumed on the 2x2 mesh (2 shard ranks), given the uninterrupted run's
     # gradients. FlatSGD is elementwise: bit for bit. A dense window: within _window_bound (the products' sums over
-    # 2 ranks' coordinates instead of 4's). SparseAdaGrad: Top-k blocks cut from 2 shards instead of 4. FOSI: its
-    # state as saved (its next step's estimate runs through this mesh's model: other products, not compared).
+    # 2 ranks' coordinates instead of 4's). SparseAdaGrad: Top-k blocks cut from 2 shards instead of 4. FOSI and
+    # LowRankMFAC: their state as saved (their next steps sum over other ranks' rows, with no bound derived here).
     for result in ranks:
         seen = _seen(result, "checkpoints", name)["flat4_to_hsdp"]
         assert seen["refused"] is None, seen
-        if name == "FOSI":
+        if name in two.SHARDED_TWIN_COMPARED:
             assert seen["whole_state_equal"], seen
         elif name in two.SUMS_OVER_COORDINATES:
             assert seen["gap_over_bound"] <= 1.0, seen
@@ -580,12 +582,12 @@ def test_a_checkpoint_of_two_or_four_shard_ranks_loads_into_a_plain_model(ranks,
     # The checkpoint of the 2x2 mesh (2 shard ranks) and of the 1-D mesh of 4, loaded into the optimizer over a plain
     # model in one process (dcp.load with no_dist=True into get_optimizer_state_dict's template, then
     # set_optimizer_state_dict), given the uninterrupted run's gradients: FlatSGD bit for bit, a dense window within
-    # _window_bound (one sum over every coordinate), SparseAdaGrad with one rank's blocks, FOSI with its state as
-    # saved.
+    # _window_bound (one sum over every coordinate), SparseAdaGrad with one rank's blocks, FOSI and LowRankMFAC with
+    # their state as saved.
     for result in ranks:
         seen = _seen(result, "checkpoints", name)[source]
         assert seen["plain_refused"] is None, seen
-        if name == "FOSI":
+        if name in two.SHARDED_TWIN_COMPARED:
             assert seen["plain_state_equal"], seen
         elif name in two.SUMS_OVER_COORDINATES:
             assert seen["plain_gap_over_bound"] <= 1.0, seen

@@ -256,9 +256,9 @@ class LowRankWindow:
     BLOCKWISE = False
     ERROR_FEEDBACK = True
     KEEPS_FLOAT64 = False
-    RESHARD_REFUSAL = (
-        "keeps each rank's part of its state (its rows of the low-rank factors) and cannot reshard it"
-    )
+    # Each Shard(0) tensor's rows of ring_p show as a DTensor laid out by the parameter's rows (LowRankMFAC's
+    # state_dict); Q, ring_q and the Gram matrix are the same on every rank; E is per coordinate.
+    RESHARD_REFUSAL = None
 
     @staticmethod
     def error_dtype(group: dict) -> torch.dtype:

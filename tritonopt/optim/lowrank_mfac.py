@@ -9,8 +9,8 @@ import torch
 from tritonopt._validation import check_int
 from tritonopt.optim._blocks import BlockLayout
 from tritonopt.optim._packed import PackedGroup
-from tritonopt.optim._sharding import DTensor, is_row_sharded, rows_placements
-from tritonopt.optim._window_algebra import mfac_weights
+from tritonopt.optim._sharding import DTensor, is_row_sharded, is_sharded, rows_placements
+from tritonopt.optim._window_algebra import mfac_weights, unfolded_shape
 from tritonopt.optim._windows import LowRankWindow
 from tritonopt.optim.windowed import WindowedPreconditioner
 
@@ -96,6 +96,14 @@ class LowRankMFAC(WindowedPreconditioner):
         packed = super()._packed_group(index, groups, params)
         packed.shards = self._shards  # the window's power iteration sums over the ranks' rows
         return packed
+
+    def _resharded_layout(self, name: str, value: torch.Tensor, p) -> Optional[bool]:
+        if name != "ring_p":
+            return super()._resharded_layout(name, value, p)
+        laid_out = value.dim() == 3 and value.shape[1] == unfolded_shape(p)[0]
+        if is_sharded(value):
+            return laid_out and is_row_sharded(p) and list(value.placements) == rows_placements(p, 1)
+        return laid_out
 
     def _sharded_state(self, saved_state: dict) -> dict:
         """As the base class's, with each ``Shard(0)`` tensor's ``ring_p`` (its rows, ``[m, n_a, r]``) shown as
