@@ -829,6 +829,47 @@ def _resume_on_one_rank(rank, directory, saved_on_two):
     return results
 
 
+def _resume_from_unsharded(rank, mesh, directory):
+    """Each reshardable optimizer trained 3 steps on the plain model (the same run in every process), saved by rank 0
+    alone through torch.distributed.checkpoint, then loaded on the mesh's sharded model: its weights and state,
+    gathered whole, against the plain run's, and 2 more steps with the same gradients against that run."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.tensor import distribute_tensor
+
+    results = {}
+    for name in RESHARDABLE:
+        kwargs, path = CHECKPOINT_SETTINGS[name], f"{directory}/unsharded-{name}"
+        plain_model = _model()
+        plain = _unsharded_optimizer(name, plain_model, **kwargs)
+        for step in range(3):
+            plain.zero_grad(set_to_none=True)
+            _backward(plain_model, 0, step)
+            plain.step()
+        if rank == 0:
+            dcp.save({"model": get_model_state_dict(plain_model), "optim": get_optimizer_state_dict(plain_model, plain)},
+                     checkpoint_id=path, no_dist=True)
+        dist.barrier()
+        model = _sharded_model(mesh)
+        opt = _model_optimizer(name, model, **kwargs)
+        seen = {"refused": _load_dcp(model, opt, path, None)}
+        if seen["refused"] is None:
+            seen["params_equal"] = torch.equal(_whole(model), _flat(plain_model.parameters()))
+            seen["state_equal"] = same_whole_state(_whole_state(opt), _whole_state(plain))
+            for step in range(2):
+                gen = torch.Generator().manual_seed(50 + step)
+                for p, q in zip(model.parameters(), plain_model.parameters()):
+                    whole = 0.1 * torch.randn(q.shape, generator=gen)
+                    p.grad = distribute_tensor(whole.clone(), mesh, p.placements, src_data_rank=None)
+                    q.grad = whole
+                opt.step()
+                plain.step()
+            seen["steps_equal"] = torch.equal(_whole(model), _flat(plain_model.parameters()))
+        results[name] = seen
+    return results
+
+
 def _scenario(rank, world, directory):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -845,6 +886,7 @@ def _scenario(rank, world, directory):
     out["skip"] = _skip_together(rank, mesh)
     out["flat_sgd"] = _flat_sgd_together(rank, mesh)
     out["checkpoints"] = _checkpoints(rank, mesh, directory)
+    out["from_unsharded"] = _resume_from_unsharded(rank, mesh, directory)
     out["local_rows"] = [p.to_local().shape[0] for p in _sharded_model(mesh).parameters()]
     out["kaisa"] = kaisa_scenario(rank, mesh, directory)
     out["stall"] = stall_scenario(rank, world)  # last: it breaks the group it makes
@@ -1101,6 +1143,20 @@ def test_a_dcp_checkpoint_of_two_ranks_resumes_on_one_rank_bit_for_bit(ranks, na
     refused = seen["per_rank_refused"]
     assert refused is not None and "sharded over 2 ranks" in refused and "over 1" in refused, refused
     assert "torch.distributed.checkpoint reshards it" in refused, refused
+
+
+@pytest.mark.parametrize("name", RESHARDABLE)
+def test_a_dcp_checkpoint_saved_unsharded_resumes_on_two_ranks(ranks, name):
+    # 1 -> 2: trained on a plain model in one process, resumed on the fully_shard'ed model of 2 ranks. Each rank
+    # takes its rows of every per-coordinate entry; the weights and the whole state are the saved ones, bit for bit.
+    for result in ranks:
+        seen = result["from_unsharded"][name]
+        assert seen["refused"] is None and seen["params_equal"] and seen["state_equal"], seen
+        # FlatSGD is elementwise: its next steps are the plain run's. The others sum over the coordinates (a
+        # window's products, SparseAdaGrad's blocks cut per shard, FOSI's and the power iteration's dot products)
+        # in another order: the tests above bound a sharded run against the unsharded one.
+        if name == "FlatSGD":
+            assert seen["steps_equal"], seen
 
 
 @pytest.mark.parametrize("name", [name for name in CHECKPOINT_SETTINGS if name not in RESHARDABLE])
