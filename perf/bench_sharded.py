@@ -3,10 +3,10 @@
 Each optimizer that steps DTensor parameters (``SparseAdaGrad``, ``MFAC``, ``SparseMFAC``,
 ``GGT``, ``SparseGGT``), ``KAISA`` (``KAISAPreconditioner`` in front of SGD with momentum,
 COMM-OPT, eigendecompositions every 10 steps) and ``torch.optim.Adam`` beside them, steps two
-models on W gloo ranks of this machine, one torch thread each (KAISA the transformer only:
-ResNet-18's K-FAC factors, up to 4608 x 4608, take minutes to decompose on a CPU). At W >= 2 every module is ``fully_shard``'ed
-(FSDP2, a 1-D mesh) and each rank trains on its own batch; W = 1 is the unsharded
-optimizer on the plain model. The models:
+models on W gloo ranks of this machine, one torch thread each (KAISA's first step on ResNet-18
+decomposes factors up to 4608 x 4608: about a minute per W on a CPU). At W >= 2 every module
+is ``fully_shard``'ed (FSDP2, a 1-D mesh) and each rank trains on its own batch; W = 1 is the
+unsharded optimizer on the plain model. The models:
 
 * ``resnet18``: ResNet-18 (11,689,512 parameters, ``perf/_models.py``) on 32x32 images,
   batches of 4 per rank (small images: the optimizers see every parameter, the forward
@@ -43,7 +43,7 @@ Checks (exit status 1 if one fails; the smoke run checks them too, bytes and siz
 Times come from W processes sharing this machine's cores: with more ranks than cores, or
 other work running, they measure the machine as much as the optimizer. Bytes are exact.
 
-Run from the repository root (a few minutes on 2 CPU cores)::
+Run from the repository root (about 8 minutes on 2 CPU cores, KAISA 4 of them)::
 
     python -m perf.bench_sharded [--worlds 1 2 4] [--steps 4] [--only MFAC GGT ...] [--out DIR]
     python -m perf.bench_sharded --smoke     # tiny models, W = 1 and 2, one step: seconds
@@ -84,7 +84,7 @@ DENSITY, BLOCK_SIZE = 0.01, 4096
 STATE_SLACK = 0.01
 OPTIMIZERS = ("SparseAdaGrad", "MFAC", "SparseMFAC", "GGT", "SparseGGT", "KAISA", "Adam")
 # The models an optimizer runs on, where not all (see the module docstring).
-ONLY_ON = {"KAISA": ("transformer",)}
+ONLY_ON: dict = {}  # optimizer -> the only models it runs on (none restricted)
 KAISA_INV_UPDATE_STEPS = 10
 WINDOW_FAMILY = ("MFAC", "SparseMFAC", "GGT", "SparseGGT")
 BLOCKWISE = ("SparseAdaGrad", "SparseMFAC", "SparseGGT")
