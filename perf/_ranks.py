@@ -95,6 +95,8 @@ def run_on_ranks(
     group_timeout: Optional[float] = None,
     weights_only: bool = False,
     own_session: bool = False,
+    start_method: str = "spawn",
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process.
 
@@ -113,6 +115,9 @@ def run_on_ranks(
         own_session: each rank starts a session of its own (``os.setsid``), so that
             the kernel's autogroup scheduling treats the ranks as separate devices
             rather than one slice of a busy machine (the timing experiments).
+        start_method: ``"spawn"`` (a fresh interpreter per rank) or ``"forkserver"``;
+            ``preload``: modules the forkserver imports once, before its first rank,
+            so that a rank starts without importing them again.
 
     Raises:
         RuntimeError: a rank raised (its traceback is in the message), or the
@@ -122,7 +127,9 @@ def run_on_ranks(
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
+    if preload:
+        ctx.set_forkserver_preload(list(preload))
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, daemon=True,

@@ -418,6 +418,7 @@ def _drop_a_kaisa_layer(saved: dict) -> None:
 
 def _drop_fosi_entry(saved: dict) -> None:
     saved["optimizer"].pop("fosi")
+    saved["optimizer"]["param_groups"][0].pop("fosi")  # and its copy for torch.distributed.checkpoint
 
 
 def _claim_another_rank(saved: dict) -> None:
