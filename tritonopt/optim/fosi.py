@@ -178,8 +178,8 @@ class FOSI(FOSICheckpoints, PackedOptimizer):
     Global state (``state_dict()["fosi"]``, copied into its first group):
     ``eigenvalues``, ``all_eigenvalues`` (float64), ``ritz_scale``, ``g1_velocity``,
     ``base_scale``, ``step``, ``base_step``, ``ese_count``, ``velocity_bound``.
-    Copies, pickles, a ``state_dict`` through ``torch.load(weights_only=True)`` and
-    torch.distributed.checkpoint resume bit for bit (the last on any rank count).
+    Copies, pickles, ``torch.load(weights_only=True)`` and torch.distributed.checkpoint
+    resume bit for bit; the last loads the state exactly on another rank count too.
     """
 
     SHARDING_REFUSAL = None
