@@ -274,7 +274,7 @@ def _resume_elsewhere(rank, mesh, group, name, kwargs, path, saved_state, saved_
         # FOSI's next step runs an estimate through this mesh's model; on another shard count LowRankMFAC's power
         # iteration sums over other ranks' rows, with no bound derived here: the state compared, not the steps.
         seen["whole_state_equal"] = two.same_whole_state(two._whole_state(opt), saved_whole)
-        seen["plain_state_equal"] = seen["plain_refused"] is None and two.same_whole_state(
+        seen["plain_whole_state_equal"] = seen["plain_refused"] is None and two.same_whole_state(
             two._whole_state(plain), saved_whole)
         return seen
     kind = CASES[name][2] if name in CASES else None
@@ -535,6 +535,20 @@ def test_an_hsdp_checkpoint_resumes_on_a_1d_mesh_of_its_shard_dimension(ranks, n
             assert seen["equals_uninterrupted"], seen
 
 
+def _assert_resumed(seen: dict, name: str, side: str = "") -> None:
+    """What a reshardable optimizer's checkpoint resumed elsewhere must show (``side``: ``""`` for the sharded run,
+    ``"plain_"`` for the plain model): loaded; then FOSI's and LowRankMFAC's whole state as saved, a dense window
+    within _window_bound of the uninterrupted run, FlatSGD that run bit for bit, SparseAdaGrad (blocks cut from
+    other shards) another run."""
+    assert seen[f"{side}refused"] is None, seen
+    if name in two.SHARDED_TWIN_COMPARED:
+        assert seen[f"{side}whole_state_equal"], seen
+    elif name in two.SUMS_OVER_COORDINATES:
+        assert seen[f"{side}gap_over_bound"] <= 1.0, seen
+    else:
+        assert seen[f"{side}equals_uninterrupted"] == (name == "FlatSGD"), seen
+
+
 @pytest.mark.parametrize("name", list(CHECKPOINT_SETTINGS))
 def test_an_hsdp_checkpoint_on_another_shard_dimension_reshards_or_is_refused(ranks, name):
     # On the 1-D mesh of 4: FlatSGD and SparseAdaGrad (per-coordinate state) reshard; FlatSGD then goes on as the
@@ -543,15 +557,10 @@ def test_an_hsdp_checkpoint_on_another_shard_dimension_reshards_or_is_refused(ra
     # sparse windows are refused, naming both shard counts (SparseMFAC by DCP itself: its window's blocks change shape).
     for result in ranks:
         seen = _seen(result, "checkpoints", name)["flat4"]
-        if name in two.SHARDED_TWIN_COMPARED:
-            assert seen["refused"] is None and seen["whole_state_equal"], seen
-        elif name in two.SUMS_OVER_COORDINATES:
+        if name in RESHARDABLE:
             # A dense window's rows and Gram matrix load exactly; the resumed steps' products sum over 4 ranks'
             # coordinates instead of 2's: the uninterrupted run within _window_bound.
-            assert seen["refused"] is None and seen["gap_over_bound"] <= 1.0, seen
-        elif name in RESHARDABLE:
-            assert seen["refused"] is None, seen
-            assert seen["equals_uninterrupted"] == (name == "FlatSGD"), seen
+            _assert_resumed(seen, name)
         elif name == "SparseMFAC":
             assert seen["refused"] is not None and "ring_indices" in seen["refused"], seen
         else:
@@ -566,14 +575,7 @@ def test_a_checkpoint_of_four_ranks_resumes_on_the_hsdp_mesh(ranks, name):
     # 2 ranks' coordinates instead of 4's). SparseAdaGrad: Top-k blocks cut from 2 shards instead of 4. FOSI and
     # LowRankMFAC: their state as saved (their next steps sum over other ranks' rows, with no bound derived here).
     for result in ranks:
-        seen = _seen(result, "checkpoints", name)["flat4_to_hsdp"]
-        assert seen["refused"] is None, seen
-        if name in two.SHARDED_TWIN_COMPARED:
-            assert seen["whole_state_equal"], seen
-        elif name in two.SUMS_OVER_COORDINATES:
-            assert seen["gap_over_bound"] <= 1.0, seen
-        else:
-            assert seen["equals_uninterrupted"] == (name == "FlatSGD"), seen
+        _assert_resumed(_seen(result, "checkpoints", name)["flat4_to_hsdp"], name)
 
 
 @pytest.mark.parametrize("source", ["flat4", "flat4_to_hsdp"])
@@ -585,11 +587,4 @@ def test_a_checkpoint_of_two_or_four_shard_ranks_loads_into_a_plain_model(ranks,
     # _window_bound (one sum over every coordinate), SparseAdaGrad with one rank's blocks, FOSI and LowRankMFAC with
     # their state as saved.
     for result in ranks:
-        seen = _seen(result, "checkpoints", name)[source]
-        assert seen["plain_refused"] is None, seen
-        if name in two.SHARDED_TWIN_COMPARED:
-            assert seen["plain_state_equal"], seen
-        elif name in two.SUMS_OVER_COORDINATES:
-            assert seen["plain_gap_over_bound"] <= 1.0, seen
-        else:
-            assert seen["plain_equals_uninterrupted"] == (name == "FlatSGD"), seen
+        _assert_resumed(_seen(result, "checkpoints", name)[source], name, side="plain_")
