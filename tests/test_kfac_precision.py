@@ -487,6 +487,37 @@ def test_running_average_leaves_the_old_factor_alone():
     assert torch.equal(first, 0.5 * torch.eye(2))
 
 
+def test_batched_running_averages_equal_the_single_ones_bit_for_bit():
+    gen = torch.Generator().manual_seed(5)
+    padded = kfac_functional.factor_buffer(130)
+    padded.copy_(torch.rand(130, 130, generator=gen))
+    factors = [None, torch.rand(3, 3, generator=gen).to(torch.bfloat16), padded]
+    statistics = [torch.rand(d, d, generator=gen) for d in (2, 3, 130)]
+    originals = [None if f is None else f.clone() for f in factors]
+    expected = [F.kfac_running_average(f, s.clone(), 0.93) for f, s in zip(factors, statistics)]
+    scratch = [s.clone() for s in statistics]
+    got = F.kfac_running_averages(factors, scratch, 0.93, out=scratch)
+    assert all(g is s for g, s in zip(got, scratch))
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert all(f is None or torch.equal(f, o) for f, o in zip(factors, originals))  # the old factors untouched
+    with pytest.raises(ValueError, match="out has 1 tensors for 3 statistics"):
+        F.kfac_running_averages(factors, statistics, 0.5, out=statistics[:1])
+
+
+def test_flat_float64_and_the_one_statistics_probe():
+    parts = [torch.arange(6.0).reshape(2, 3), torch.tensor([[7.0]]).to(torch.bfloat16)]
+    flat = kfac_functional.flat_float64(parts)
+    assert flat.dtype == torch.float64 and flat.tolist() == [0, 1, 2, 3, 4, 5, 7]
+    assert kfac_functional.flat_float64(parts[:1]).tolist() == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="at least one tensor"):
+        kfac_functional.flat_float64([])
+    finite = [torch.eye(3), 2 * torch.eye(2)]
+    probe = kfac_functional.statistics_finiteness_probe(finite)
+    assert probe.dtype == torch.float64 and probe.item() == 7.0
+    poisoned = [torch.eye(3), torch.tensor([[1.0, 0.0], [0.0, float("nan")]])]
+    assert not kfac_functional.statistics_finiteness_probe(poisoned).isfinite()
+
+
 def test_eigendecompose_clamps_and_returns_contiguous_bases():
     q, _ = torch.linalg.qr(torch.randn(4, 4, generator=torch.Generator().manual_seed(6)))
     f = (q * torch.tensor([-1e-7, 1.0, 2.0, 3.0])) @ q.T

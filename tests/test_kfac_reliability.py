@@ -137,6 +137,60 @@ def test_a_gradient_too_large_to_precondition_changes_nothing(policy):
     assert_same(before, snapshot(kfac))
 
 
+def _second_step_backward(kfac, model):
+    """One accepted step (an eigen update), then the next step's forward and backward."""
+    model.zero_grad()
+    backward(model, 0)
+    assert kfac.step() is True
+    model.zero_grad()
+    backward(model, 1)
+
+
+@pytest.mark.parametrize("eigen_step", [False, True], ids=["plain step", "eigen step"])
+@pytest.mark.parametrize("poisoned", ["gradient", "statistic"])
+def test_a_refused_step_names_the_layer_and_what_is_not_finite(poisoned, eigen_step):
+    model = make_mlp()
+    kfac = KFACPreconditioner(model, inv_update_steps=1 if eigen_step else 10, on_nonfinite="raise")
+    _second_step_backward(kfac, model)
+    if poisoned == "gradient":
+        model[2].bias.grad[1] = float("inf")
+        expected = r"the gradients of layers \['2'\] hold NaN or inf"
+    else:
+        kfac.layers[1].g_batch[0, 0] = float("nan")
+        expected = r"the factor statistics of layers \['2'\] hold NaN or inf"
+    before = snapshot(kfac)
+    with pytest.raises(FloatingPointError, match=expected):
+        kfac.step()
+    assert_same(before, snapshot(kfac))
+
+
+@pytest.mark.parametrize("eigen_step", [False, True], ids=["plain step", "eigen step"])
+def test_finite_statistics_whose_float32_trace_overflows_are_not_refused(eigen_step):
+    """The statistics' one probe adds float32 traces, which can overflow on finite entries:
+    then the exact per-matrix probes decide, and they find nothing to refuse. (A plain step
+    probes the statistics after folding them into the factors, eigen steps before.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 3))
+    kfac = KFACPreconditioner(model, inv_update_steps=1 if eigen_step else 10, on_nonfinite="raise")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        model.zero_grad()
+        x, y = torch.randn(8, 40, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if kfac.steps == 0:
+            assert kfac.step() is True
+    statistic = kfac.layers[0].a_batch
+    # 41 diagonal entries of 0.9 * float32's largest: even folded with weight 0.05 they add up
+    # past float32's range, while every entry stays finite.
+    statistic.diagonal().fill_(0.9 * torch.finfo(torch.float32).max)
+    assert torch.isfinite(statistic).all() and not torch.isfinite(torch.trace(0.05 * statistic))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eigen update of so large a factor may warn; not refused
+        assert kfac.step() is True
+    assert kfac.steps == 2 and kfac.skipped_steps == 0
+    assert kfac.layers[0].a_factor[0, 0] > 1e36  # the huge statistic was folded in
+
+
 def test_the_readme_loop_does_not_apply_a_refused_step():
     model = make_mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -459,15 +459,19 @@ def eigenbasis_precondition_reference(
     inv_denominator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch eigenbasis preconditioning in float32 (paper Eq. 15-17)."""
-    f32 = torch.float32
-    qa, qg = qa.to(f32), qg.to(f32)
+    qa, qg = _float32(qa), _float32(qg)
     with _float32_products(grad.device):
-        rotated = qg.T @ grad.to(f32) @ qa
+        rotated = qg.T @ _float32(grad) @ qa
         if inv_denominator is not None:
-            rotated = rotated * inv_denominator.to(f32)
+            rotated = rotated * _float32(inv_denominator)
         else:
-            rotated = rotated / (torch.outer(dg.to(f32), da.to(f32)) + damping)
+            rotated = rotated / (torch.outer(_float32(dg), _float32(da)) + damping)
         return qg @ rotated @ qa.T
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    # A preconditioner calls this per layer and step: skip the no-op conversion's dispatch.
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 def eigen_inv_denominator_reference(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:

@@ -137,10 +137,14 @@ class KFACLayer:
 
     def grad_matrix(self) -> torch.Tensor:
         """``[g, a]`` float32, contiguous: weight gradient as 2-D, bias gradient last."""
-        w = self.weight.grad.reshape(self.g_dim, -1).to(torch.float32)
-        if self.has_bias:
-            return torch.cat([w, self.bias.grad.reshape(self.g_dim, 1).to(torch.float32)], dim=1)
-        return w.contiguous()
+        w = self.weight.grad.reshape(self.g_dim, -1)
+        if not self.has_bias:
+            return w.to(torch.float32).contiguous()
+        parts = [w, self.bias.grad.reshape(self.g_dim, 1)]
+        if w.dtype == torch.float32 and parts[1].dtype == torch.float32:
+            return torch.cat(parts, dim=1)
+        # cat converts to float32 on its way
+        return torch.cat(parts, dim=1, out=torch.empty((self.g_dim, self.a_dim), dtype=torch.float32, device=w.device))
 
     def write_grad(self, matrix: torch.Tensor) -> None:
         """Copy a ``[g, a]`` matrix back into the weight/bias gradients (their dtypes)."""

@@ -28,7 +28,7 @@ from tritonopt.optim import kfac_functional as _kfac_functional
 from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statistic, kfac_eigen_data,
                                              kfac_eigendecompose, kfac_inner_products, kfac_inverses,
                                              kfac_kl_clip_scale, kfac_precondition, kfac_precondition_layers,
-                                             kfac_running_average,
+                                             kfac_running_average, kfac_running_averages,
                                              kl_clip_scale_of_sum)
 
 __all__ = sorted([

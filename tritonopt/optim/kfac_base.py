@@ -51,14 +51,14 @@ from tritonopt.optim.kfac_functional import (
     buffer_bytes,
     eigen_shapes,
     factor_buffer,
-    finiteness_probes,
+    flat_float64,
     gram_finiteness_probes,
     kfac_eigen_data,
     kfac_eigendecompose,
-    kfac_inner_products,
     kfac_inverses,
     kl_clip_scale_of_sum,
-    kfac_running_average,
+    kfac_running_averages,
+    statistics_finiteness_probe,
 )
 
 __all__ = ["BaseKFACPreconditioner", "HYPERPARAMETERS", "Schedule", "check_hyperparameter"]
@@ -226,52 +226,62 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         grads: dict[int, torch.Tensor],
         statistics: Iterable[int] = (),
         preconditioned: Optional[dict[int, torch.Tensor]] = None,
-        inner_products: Optional[torch.Tensor] = None,
-        read: Optional[torch.Tensor] = None,
-    ) -> tuple[Optional[str], list[float]]:
-        """What is not finite among these, or None; and the values of the vector ``read``.
+        *,
+        flat_grads: Optional[torch.Tensor] = None,
+        inner_product: Optional[torch.Tensor] = None,
+    ) -> tuple[Optional[str], Optional[float]]:
+        """What is not finite among these, or None; and the value of ``inner_product`` (None without it).
 
-        One host sync for both. ``inner_products``
-        (:func:`~tritonopt.optim.kfac_functional.kfac_inner_products` of ``preconditioned``
-        and ``grads``, in ``grads``' order) stand for both: each is finite exactly when its
-        layer's gradient and ``P`` are.
+        One host sync, over a few float64 values each finite exactly when all it covers is:
+        ``inner_product`` (``<P, grad>`` over every layer of ``grads``, from
+        :func:`~tritonopt.optim.kfac_functional.flat_float64` of both: float32 products are
+        exact in float64 and cannot overflow there) stands for the gradients and ``P``;
+        without it the sums of the flat gradients (``flat_grads``, their ``flat_float64``, when
+        the caller has it) and of the flat ``P``; and the statistic buffers of the layers
+        ``statistics`` have one probe (:func:`~tritonopt.optim.kfac_functional.statistics_finiteness_probe`).
+        Only when one is not finite are the layers named, with exact probes (a second sync).
         """
         statistics = list(statistics)
-        order = list(grads)
         parts = []
-        if inner_products is not None:
-            parts.append(inner_products)
-        elif order:
-            parts.append(finiteness_probes([grads[i] for i in order]))
+        if inner_product is not None:
+            parts.append(inner_product.reshape(1))
+        elif grads:
+            flat = flat_grads if flat_grads is not None else flat_float64(list(grads.values()))
+            parts.append(flat.sum().reshape(1))
             if preconditioned:
-                parts.append(finiteness_probes([preconditioned[i] for i in order]))
+                parts.append(flat_float64([preconditioned[i] for i in grads]).sum().reshape(1))
         if statistics:
-            parts.append(gram_finiteness_probes([t for i in statistics for t in (self.layers[i].a_batch,
-                                                                                 self.layers[i].g_batch)]))
-        n_read = 0 if read is None else read.numel()
-        if read is not None:
-            parts.append(read.to(torch.float64))
+            parts.append(statistics_finiteness_probe(self._statistic_buffers(statistics)).reshape(1))
         if not parts:
-            return None, []
+            return None, None
         values = torch.cat(parts).tolist()
-        readings = values[len(values) - n_read:]
-        flags = [math.isfinite(v) for v in values[: len(values) - n_read]]
-        if all(flags):
-            return None, readings
-        layer_flags = flags[: len(order)]
-        if inner_products is None and preconditioned:
-            layer_flags = [g and p for g, p in zip(layer_flags, flags[len(order) : 2 * len(order)])]
-        stat_flags = flags[len(flags) - 2 * len(statistics):] if statistics else []
-        suspects = [i for i, ok in zip(order, layer_flags) if not ok]
-        bad_grads = [self.layers[i].name for i, ok in zip(suspects, all_finite([grads[i] for i in suspects])) if not ok]
+        reading = values[0] if inner_product is not None else None
+        if all(math.isfinite(v) for v in values):
+            return None, reading
+        return self._nonfinite_layers(grads, statistics, preconditioned), reading
+
+    def _statistic_buffers(self, statistics: list[int]) -> list[torch.Tensor]:
+        return [t for i in statistics for t in (self.layers[i].a_batch, self.layers[i].g_batch)]
+
+    def _nonfinite_layers(self, grads: dict, statistics: list[int], preconditioned: Optional[dict]) -> Optional[str]:
+        """Which layers' gradients, statistics or ``P`` are not finite, in that order of blame; None
+        when all are (the statistics' probe overflowed float32 on finite entries)."""
+        order = list(grads)
+        grad_flags = all_finite([grads[i] for i in order])
+        bad_grads = [self.layers[i].name for i, ok in zip(order, grad_flags) if not ok]
         if bad_grads:
-            return f"the gradients of layers {bad_grads} hold NaN or inf", readings
-        bad_stats = [self.layers[i].name for k, i in enumerate(statistics) if not (stat_flags[2 * k] and stat_flags[2 * k + 1])]
-        if bad_stats:
-            return f"the factor statistics of layers {bad_stats} hold NaN or inf", readings
-        overflow = [self.layers[i].name for i in suspects]
+            return f"the gradients of layers {bad_grads} hold NaN or inf"
+        if statistics:
+            flags = gram_finiteness_probes(self._statistic_buffers(statistics)).isfinite().tolist()
+            bad_stats = [self.layers[i].name for k, i in enumerate(statistics) if not (flags[2 * k] and flags[2 * k + 1])]
+            if bad_stats:
+                return f"the factor statistics of layers {bad_stats} hold NaN or inf"
+        p_flags = all_finite([preconditioned[i] for i in order]) if preconditioned else []
+        overflow = [self.layers[i].name for i, ok in zip(order, p_flags) if not ok]
+        if not overflow:
+            return None
         return (f"the preconditioned gradients of layers {overflow} overflow float32 (gradients too large to "
-                "precondition)", readings)
+                "precondition)")
 
     def refuse_step(self, problem: str) -> bool:
         """Apply ``on_nonfinite`` to a step that must not happen (nothing has been modified); False."""
@@ -283,14 +293,11 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
 
         Nothing is committed: :meth:`finish_step` does that.
         """
-        folded = {}
-        for i in indices:
-            layer = self.layers[i]
-            folded[i] = (
-                kfac_running_average(layer.a_factor, layer.a_batch, decay, out=layer.a_batch),
-                kfac_running_average(layer.g_factor, layer.g_batch, decay, out=layer.g_batch),
-            )
-        return folded
+        indices = list(indices)
+        buffers = [b for i in indices for b in (self.layers[i].a_batch, self.layers[i].g_batch)]
+        factors = [f for i in indices for f in (self.layers[i].a_factor, self.layers[i].g_factor)]
+        averages = kfac_running_averages(factors, buffers, decay, out=buffers)
+        return {i: (averages[2 * k], averages[2 * k + 1]) for k, i in enumerate(indices)}
 
     def factors_of(self, index: int, folded: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The factors a decomposition of layer ``index`` uses now: this step's fold, else the stored ones."""
@@ -374,8 +381,10 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         Returns :meth:`finish_step`'s answer.
         """
         eigen_step = self.is_eigen_step()
+        flat_grads = None
         if eigen_step:  # decompositions are costly: do not start them on non-finite input
-            problem, _ = self.nonfinite_problem(grads, statistics)
+            flat_grads = flat_float64(list(grads.values())) if grads else None
+            problem, _ = self.nonfinite_problem(grads, statistics, flat_grads=flat_grads)
             if problem is not None:
                 return self.refuse_step(problem)
         with nvtx_range(f"tritonopt/{self.algorithm}/factor_fold"):
@@ -388,7 +397,7 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
             preconditioned = precondition(grads, eigen, hyper["damping"])
         with nvtx_range(f"tritonopt/{self.algorithm}/scale"):
             return self.finish_step(grads, preconditioned, folded, eigen, hyper,
-                                    statistics=() if eigen_step else statistics)
+                                    statistics=() if eigen_step else statistics, flat_grads=flat_grads)
 
     def finish_step(
         self,
@@ -398,38 +407,48 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         eigen: dict[int, dict[str, torch.Tensor]],
         hyper: dict,
         statistics: Iterable[int] = (),
+        flat_grads: Optional[torch.Tensor] = None,
     ) -> bool:
         """Apply the KL clip and commit the step; False (nothing committed) if it is refused.
 
         The gradients, the statistic buffers of the layers ``statistics`` (folded
         or not: non-finite either way), the preconditioned gradients and the KL
         scale are checked together (one host sync); a refused step leaves
-        everything as it was.
+        everything as it was. ``flat_grads``: ``flat_float64`` of ``grads``, if the
+        caller made it.
         """
         order = list(grads)
-        inner_products = total = None
-        wide = {}
+        inner_product = flat_p = None
         if hyper["kl_clip"] is not None and order:
             # P in float64 serves twice: in <P, grad> (float32 products are exact there, so the
             # sum cannot overflow) and, when the clip scales, in nu P rounded once to float32.
-            wide = {i: preconditioned[i].to(torch.float64) for i in order}
-            inner_products = kfac_inner_products([wide[i] for i in order], [grads[i] for i in order])
-            total = inner_products.sum().reshape(1)
-        problem, readings = self.nonfinite_problem(grads, statistics, preconditioned, inner_products, read=total)
+            flat_p = flat_float64([preconditioned[i] for i in order])
+            if flat_grads is None:
+                flat_grads = flat_float64([grads[i] for i in order])
+            inner_product = torch.dot(flat_p, flat_grads)
+        problem, inner_sum = self.nonfinite_problem(grads, statistics, preconditioned, flat_grads=flat_grads,
+                                                    inner_product=inner_product)
         if problem is not None:
             return self.refuse_step(problem)
         kl_scale = None
-        if total is not None:
-            kl_scale = kl_clip_scale_of_sum(readings[0], lr=hyper["lr"], kl_clip=hyper["kl_clip"])
+        if inner_product is not None:
+            kl_scale = kl_clip_scale_of_sum(inner_sum, lr=hyper["lr"], kl_clip=hyper["kl_clip"])
         for i, (a, g) in folded.items():
             self._store_factors(self.layers[i], a, g)
         for i, data in eigen.items():
             self.layers[i].eigen = data
-        # nu may lie below float32's normal range when P is huge: scale in float64, round once
-        # (nu = 1 leaves P as it is, bit for bit).
-        unscaled = kl_scale is None or kl_scale == 1.0
-        for i in order:
-            self.write_gradient(i, preconditioned[i] if unscaled else wide[i] * kl_scale)
+        if kl_scale is None or kl_scale == 1.0:  # nu = 1 leaves P as it is, bit for bit
+            for i in order:
+                self.write_gradient(i, preconditioned[i])
+        else:
+            # nu may lie below float32's normal range when P is huge: scale in float64, round once.
+            flat_p.mul_(kl_scale)
+            offset = 0
+            for i in order:
+                shape = preconditioned[i].shape
+                size = preconditioned[i].numel()
+                self.write_gradient(i, flat_p[offset : offset + size].view(shape))
+                offset += size
         self.last_kl_scale = None if kl_scale is None else torch.tensor(kl_scale, dtype=torch.float64)
         self.steps += 1
         return True

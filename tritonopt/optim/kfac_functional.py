@@ -10,6 +10,7 @@ For a layer with A factor ``[a, a]`` and G factor ``[g, g]`` (see
 ===============================  ==================================================
 :func:`kfac_accumulate_statistic`  micro-batch mean of ``X^T X / n`` (paper sec. 4.2)
 :func:`kfac_running_average`      ``decay F + (1 - decay) F_batch`` (sec. 2.1.2)
+:func:`kfac_running_averages`     the same for many factors, batched
 :func:`kfac_eigendecompose`       ``eigh`` in float32, eigenvalues clamped at 0 (sec. 3.3)
 :func:`kfac_inverses`             ``(F + damping I)^-1`` for the inverse method (Eq. 12-14)
 :func:`kfac_eigen_data`           what a gradient worker keeps (prediv: sec. 4.4)
@@ -71,6 +72,7 @@ LAYER_FUNCTIONS = (
     "kfac_precondition",
     "kfac_precondition_layers",
     "kfac_running_average",
+    "kfac_running_averages",
     "kl_clip_scale_of_sum",
 )
 __all__ = sorted([
@@ -81,7 +83,9 @@ __all__ = sorted([
     "factor_buffer",
     "factor_row_stride",
     "finiteness_probes",
+    "flat_float64",
     "gram_finiteness_probes",
+    "statistics_finiteness_probe",
     *LAYER_FUNCTIONS,
 ])
 
@@ -172,6 +176,31 @@ def gram_finiteness_probes(statistics: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.diagonal(s).sum(dtype=torch.float64) for s in statistics])
 
 
+def statistics_finiteness_probe(statistics: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float64 scalar, finite when every one of the Gram matrices ``statistics`` is.
+
+    The sum of the matrices' traces, each taken in their own dtype: a NaN or inf
+    reaches it (see :func:`gram_finiteness_probes`), but a float32 trace can also
+    overflow on finite entries. So a finite probe clears them all, and a caller
+    that finds it not finite asks :func:`gram_finiteness_probes` (exact, one
+    value per matrix) which are. One call per matrix and one to add them up.
+    """
+    return torch.stack([torch.trace(s) for s in statistics]).sum(dtype=torch.float64)
+
+
+def flat_float64(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every entry of ``tensors``, flattened and concatenated in their order, in float64 (one copy).
+
+    Products of two such vectors' float32 entries are exact in float64, so their
+    dot product cannot overflow, and it is finite exactly when both vectors are.
+    """
+    if not tensors:
+        raise ValueError("flat_float64 needs at least one tensor")
+    # Concatenating in the tensors' dtype and converting once is faster than either alone.
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+    return flat.to(torch.float64)
+
+
 def all_finite(tensors: Sequence[Optional[torch.Tensor]]) -> list[bool]:
     """Whether each tensor is all finite (``None`` counts as finite), with one host sync."""
     present = [(i, t) for i, t in enumerate(tensors) if t is not None]
@@ -223,6 +252,28 @@ def kfac_running_average(
     if factor is None:
         factor = torch.eye(statistic.shape[0], dtype=torch.float32, device=statistic.device)
     return torch.add(factor.to(torch.float32) * decay, statistic, alpha=1.0 - decay, out=out)
+
+
+def kfac_running_averages(
+    factors: Sequence[Optional[torch.Tensor]],
+    statistics: Sequence[torch.Tensor],
+    decay: float,
+    *,
+    out: Optional[Sequence[torch.Tensor]] = None,
+) -> list[torch.Tensor]:
+    """:func:`kfac_running_average` of each pair, bit for bit, the scalings of the old factors in
+    one batched call (a step over many small layers is bound by the calls, not the arithmetic)."""
+    if out is not None and len(out) != len(statistics):
+        raise ValueError(f"out has {len(out)} tensors for {len(statistics)} statistics")
+    olds = [
+        torch.eye(s.shape[0], dtype=torch.float32, device=s.device) if f is None
+        else f if f.dtype == torch.float32 else f.to(torch.float32)
+        for f, s in zip(factors, statistics, strict=True)
+    ]
+    # One multiplication is rounded the same by the batched and the single op.
+    scaled = torch._foreach_mul(olds, decay) if olds else []
+    return [torch.add(old, s, alpha=1.0 - decay, out=None if out is None else out[k])
+            for k, (old, s) in enumerate(zip(scaled, statistics))]
 
 
 def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomposition]]:
@@ -364,9 +415,11 @@ def _precondition(grad, eigen, damping, precision, prediv_op, eigen_op) -> torch
     if "a_inv" in eigen:
         with _float32_products(grad.device):
             return eigen["g_inv"].to(torch.float32) @ grad @ eigen["a_inv"].to(torch.float32)
+    # Every argument by position: a prepared op then skips matching them to its signature.
+    given = () if precision is None else (precision,)
     if "inv_denominator" in eigen:
-        return prediv_op(grad, eigen["qa"], eigen["qg"], eigen["inv_denominator"], **_precision(precision))
-    return eigen_op(grad, eigen["qa"], eigen["da"], eigen["qg"], eigen["dg"], damping, **_precision(precision))
+        return prediv_op(grad, eigen["qa"], eigen["qg"], eigen["inv_denominator"], *given)
+    return eigen_op(grad, eigen["qa"], eigen["da"], eigen["qg"], eigen["dg"], damping, *given)
 
 
 def kfac_inner_products(preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
