@@ -417,6 +417,28 @@ def test_unsupported_layers_and_empty_models():
         KFACPreconditioner(nn.Sequential(nn.Linear(2, 2)), factor_update_steps=3, inv_update_steps=4)
 
 
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_conv_layers_gradient_matrix_reads_and_writes_any_memory_layout(memory_format, bias):
+    from tritonopt.optim._kfac_layers import make_layer
+
+    conv = nn.Conv2d(3, 5, 2, bias=bias)
+    gen = torch.Generator().manual_seed(3)
+    weight_grad = torch.randn(conv.weight.shape, generator=gen)
+    conv.weight.grad = weight_grad.clone().to(memory_format=memory_format)
+    if bias:
+        conv.bias.grad = torch.randn(5, generator=gen)
+    layer = make_layer("conv", conv)
+    matrix = layer.grad_matrix()
+    assert matrix.shape == (5, 12 + bias) and matrix.is_contiguous()
+    assert torch.equal(matrix[:, :12], weight_grad.reshape(5, 12))
+    layer.write_grad(matrix * 2)
+    assert torch.equal(conv.weight.grad, 2 * weight_grad)
+    assert conv.weight.grad.is_contiguous(memory_format=memory_format)  # written in place
+    if bias:
+        assert torch.equal(conv.bias.grad, 2 * matrix[:, 12])
+
+
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_nonfinite_gradients_change_nothing(policy):
     torch.manual_seed(10)

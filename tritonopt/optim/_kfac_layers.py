@@ -139,7 +139,9 @@ class KFACLayer:
         """``[g, a]`` float32, contiguous: weight gradient as 2-D, bias gradient last."""
         w = self.weight.grad.reshape(self.g_dim, -1)
         if not self.has_bias:
-            return w.to(torch.float32).contiguous()
+            if w.dtype != torch.float32:
+                w = w.to(torch.float32)
+            return w if w.is_contiguous() else w.contiguous()
         parts = [w, self.bias.grad.reshape(self.g_dim, 1)]
         if w.dtype == torch.float32 and parts[1].dtype == torch.float32:
             return torch.cat(parts, dim=1)
@@ -149,7 +151,11 @@ class KFACLayer:
     def write_grad(self, matrix: torch.Tensor) -> None:
         """Copy a ``[g, a]`` matrix back into the weight/bias gradients (their dtypes)."""
         w_cols = self.a_dim - int(self.has_bias)
-        self.weight.grad.copy_(matrix[:, :w_cols].reshape(self.weight.shape))
+        weight_grad = self.weight.grad
+        if weight_grad.is_contiguous():  # one copy, where reshaping the strided columns would copy twice
+            weight_grad.view(self.g_dim, w_cols).copy_(matrix[:, :w_cols])
+        else:
+            weight_grad.copy_(matrix[:, :w_cols].reshape(weight_grad.shape))
         if self.has_bias:
             self.bias.grad.copy_(matrix[:, w_cols].reshape(self.bias.shape))
 
