@@ -502,6 +502,8 @@ def test_batched_running_averages_equal_the_single_ones_bit_for_bit():
     assert all(f is None or torch.equal(f, o) for f, o in zip(factors, originals))  # the old factors untouched
     with pytest.raises(ValueError, match="out has 1 tensors for 3 statistics"):
         F.kfac_running_averages(factors, statistics, 0.5, out=statistics[:1])
+    with pytest.raises(ValueError, match="got 2 factors for 3 statistics"):
+        F.kfac_running_averages(factors[:2], statistics, 0.5)
 
 
 def test_flat_float64_and_the_one_statistics_probe():

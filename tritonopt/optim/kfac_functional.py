@@ -263,12 +263,14 @@ def kfac_running_averages(
 ) -> list[torch.Tensor]:
     """:func:`kfac_running_average` of each pair, bit for bit, the scalings of the old factors in
     one batched call (a step over many small layers is bound by the calls, not the arithmetic)."""
+    if len(factors) != len(statistics):
+        raise ValueError(f"got {len(factors)} factors for {len(statistics)} statistics")
     if out is not None and len(out) != len(statistics):
         raise ValueError(f"out has {len(out)} tensors for {len(statistics)} statistics")
     olds = [
         torch.eye(s.shape[0], dtype=torch.float32, device=s.device) if f is None
         else f if f.dtype == torch.float32 else f.to(torch.float32)
-        for f, s in zip(factors, statistics, strict=True)
+        for f, s in zip(factors, statistics)
     ]
     # One multiplication is rounded the same by the batched and the single op.
     scaled = torch._foreach_mul(olds, decay) if olds else []
