@@ -80,7 +80,6 @@ __all__ = sorted([
     "Decomposition",
     "buffer_bytes",
     "eigen_shapes",
-    "eigenbasis_layout",
     "factor_buffer",
     "factor_row_stride",
     "finiteness_probes",
@@ -139,8 +138,7 @@ def _float32_products(device: torch.device):
 
 
 class Decomposition(NamedTuple):
-    """``F = vectors diag(values) vectors^T``: float32, ``values >= 0``; ``vectors`` in the
-    column-major layout ``eigh`` gives them (see :func:`eigenbasis_layout`)."""
+    """``F = vectors diag(values) vectors^T``: float32, ``values >= 0``, both contiguous."""
 
     values: torch.Tensor
     vectors: torch.Tensor
@@ -285,9 +283,9 @@ def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomp
 
     Factors are read in float32 whatever their storage dtype (paper sec. 3.3:
     ``eigh`` is unstable in half precision); eigenvalues below 0 (round-off of
-    a positive semi-definite matrix) are clamped to 0; eigenvectors stay in
-    ``eigh``'s column-major layout, which every holder of eigen data keeps
-    (:func:`eigenbasis_layout`). An entry is None where ``torch.linalg.eigh`` failed: a
+    a positive semi-definite matrix) are clamped to 0; eigenvectors are made
+    contiguous (``eigh`` returns them column-major, which collectives would
+    move wrongly). An entry is None where ``torch.linalg.eigh`` failed: a
     failing batch is retried one factor at a time, so only the failing factors
     are None. Callers check finiteness first (:func:`all_finite`).
     """
@@ -315,21 +313,8 @@ def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomp
         for batch_indices, values, vectors in batches:
             values = values.clamp_(min=0.0)
             for k, i in enumerate(batch_indices):
-                results[i] = Decomposition(values[k], vectors[k])
+                results[i] = Decomposition(values[k].contiguous(), vectors[k].contiguous())
     return results
-
-
-def eigenbasis_layout(matrix: torch.Tensor) -> torch.Tensor:
-    """A copy of the square ``matrix`` in the column-major layout ``torch.linalg.eigh`` gives its
-    eigenvectors (strides ``(1, n)``).
-
-    Every holder of an eigenbasis keeps it so, rather than copying it to row-major after each
-    decomposition (a transposing copy of every factor's size): a matrix product may round a
-    transposed operand differently, so ranks that received a basis must hold it in the layout
-    of the rank that computed it, and of a one-process run.
-    """
-    n = matrix.shape[0]
-    return torch.empty_strided((n, n), (1, n), dtype=matrix.dtype, device=matrix.device).copy_(matrix)
 
 
 def kfac_inverses(factors: Sequence[torch.Tensor], damping: float) -> list[Optional[torch.Tensor]]:
@@ -382,12 +367,10 @@ def kfac_eigen_data(
     if isinstance(a, torch.Tensor):
         data = {"a_inv": a, "g_inv": g}
     elif prediv:
-        # Prepared: the eigenvalues are this module's own (no argument checks per layer).
-        inv_denominator = eigen_inv_denominator.prepared(a.values.device)(g.values, a.values, damping)
-        data = {"qa": a.vectors, "qg": g.vectors, "inv_denominator": inv_denominator}
+        data = {"qa": a.vectors, "qg": g.vectors, "inv_denominator": eigen_inv_denominator(g.values, a.values, damping)}
     else:
         data = {"qa": a.vectors, "qg": g.vectors, "da": a.values, "dg": g.values}
-    return {name: t if t.dtype == dtype else t.to(dtype) for name, t in data.items()}
+    return {name: t.to(dtype).contiguous() for name, t in data.items()}
 
 
 def kfac_precondition(
