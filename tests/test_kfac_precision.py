@@ -506,25 +506,70 @@ def test_batched_running_averages_equal_the_single_ones_bit_for_bit():
         F.kfac_running_averages(factors[:2], statistics, 0.5)
 
 
-def test_flat_float64_and_the_one_statistics_probe():
-    parts = [torch.arange(6.0).reshape(2, 3), torch.tensor([[7.0]]).to(torch.bfloat16)]
-    flat = kfac_functional.flat_float64(parts)
-    assert flat.dtype == torch.float64 and flat.tolist() == [0, 1, 2, 3, 4, 5, 7]
-    assert kfac_functional.flat_float64(parts[:1]).tolist() == [0, 1, 2, 3, 4, 5]
-    with pytest.raises(ValueError, match="at least one tensor"):
-        kfac_functional.flat_float64([])
+def test_the_float32_probes_clear_finite_tensors_and_leave_overflow_to_the_exact_ones():
     finite = [torch.eye(3), 2 * torch.eye(2)]
     probe = kfac_functional.statistics_finiteness_probe(finite)
     assert probe.dtype == torch.float64 and probe.item() == 7.0
     poisoned = [torch.eye(3), torch.tensor([[1.0, 0.0], [0.0, float("nan")]])]
     assert not kfac_functional.statistics_finiteness_probe(poisoned).isfinite()
+    parts = [torch.arange(6.0).reshape(2, 3), torch.tensor([[7.0]]).to(torch.bfloat16)]
+    probe = kfac_functional.float32_finiteness_probe(parts)
+    assert probe.dtype == torch.float64 and probe.item() == 22.0
+    assert not kfac_functional.float32_finiteness_probe([torch.ones(2), torch.tensor([float("inf")])]).isfinite()
+    # Finite entries whose float32 sum overflows: the probe says "ask", all_finite answers.
+    huge = torch.full((4,), torch.finfo(torch.float32).max)
+    assert not kfac_functional.float32_finiteness_probe([huge]).isfinite()
+    assert F.all_finite([huge]) == [True]
 
 
-def test_eigendecompose_clamps_and_returns_contiguous_bases():
+def test_float32_inner_products_are_the_float64_ones_rounded_and_flag_overflow():
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.randn(5, 7, generator=gen), torch.randn(3, 2, generator=gen)]
+    gs = [torch.randn(5, 7, generator=gen), torch.randn(3, 2, generator=gen)]
+    fast = F.kfac_inner_products_float32(ps, gs)
+    exact = F.kfac_inner_products(ps, gs)
+    assert fast.dtype == torch.float32 and fast.shape == (2,)
+    # A float32 dot of n terms is within n u sum |p g| of the exact one.
+    bounds = [35 * 2.0**-24 * (p.double() * g.double()).abs().sum().item() for p, g in zip(ps, gs)]
+    assert all(abs(f - e) <= b for f, e, b in zip(fast.tolist(), exact.tolist(), bounds))
+    # Finite but too large for float32's products: not finite here, finite in float64.
+    big_p, big_g = [ps[0] * 1e30], [gs[0] * 1e20]
+    assert not F.kfac_inner_products_float32(big_p, big_g).isfinite().any()
+    assert F.kfac_inner_products(big_p, big_g).isfinite().all()
+    nan = torch.tensor([[float("nan")]])
+    assert F.kfac_inner_products_float32([nan, torch.ones(1, 1)], [torch.ones(1, 1)] * 2).isfinite().tolist() == [
+        False, True]
+
+
+def test_the_kl_scale_is_applied_in_float32_and_in_float64_below_its_normal_range():
+    gen = torch.Generator().manual_seed(8)
+    ps = [torch.randn(4, 3, generator=gen), torch.randn(2, 2, generator=gen)]
+    nu = 0.3
+    scaled = [p.clone() for p in ps]
+    F.kfac_scale_preconditioned(scaled, nu)
+    # float32 arithmetic, as kfac-pytorch applies its scale: nu rounded to float32, one product.
+    nu32 = torch.tensor(nu, dtype=torch.float32)
+    assert all(torch.equal(s, p * nu32) for s, p in zip(scaled, ps))
+    # nu below float32's normal range (a huge P) would lose its digits: float64, rounded once.
+    huge = [p * 1e38 for p in ps]
+    tiny = 1e-39
+    scaled = [h.clone() for h in huge]
+    F.kfac_scale_preconditioned(scaled, tiny)
+    assert all(torch.equal(s, (h.double() * tiny).float()) for s, h in zip(scaled, huge))
+    assert not all(torch.equal(s, h * torch.tensor(tiny, dtype=torch.float32)) for s, h in zip(scaled, huge))
+    F.kfac_scale_preconditioned([], 0.5)  # nothing to scale
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"KL clip's factor must lie in \[0, 1\]"):
+            F.kfac_scale_preconditioned([ps[0].clone()], bad)
+
+
+def test_eigendecompose_clamps_and_keeps_the_bases_in_eighs_layout():
     q, _ = torch.linalg.qr(torch.randn(4, 4, generator=torch.Generator().manual_seed(6)))
     f = (q * torch.tensor([-1e-7, 1.0, 2.0, 3.0])) @ q.T
     (d,) = F.kfac_eigendecompose([(f + f.T) / 2])
-    assert d.values.min() == 0 and d.vectors.is_contiguous()
+    assert d.values.min() == 0 and d.vectors.stride() == (1, 4)  # no transposing copy
+    laid_out = kfac_functional.eigenbasis_layout(d.vectors.contiguous())
+    assert laid_out.stride() == (1, 4) and torch.equal(laid_out, d.vectors)
     assert torch.allclose((d.vectors * d.values) @ d.vectors.T, f, atol=1e-5)
     assert F.all_finite([torch.ones(2), None, torch.tensor([float("nan")])]) == [True, True, False]
     both_infinities = torch.tensor([float("inf"), -float("inf")])

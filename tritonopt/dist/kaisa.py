@@ -122,11 +122,11 @@ from tritonopt.dist.kaisa_assignment import (  # noqa: F401 (re-exported)
 from tritonopt.dist.kaisa_reduce import FactorReducer
 from tritonopt.dist.kaisa_sharded import ShardedLayerGradients
 from tritonopt.optim.kfac import BaseKFACPreconditioner
-from tritonopt.optim.kfac_functional import Decomposition, kfac_eigen_data, kfac_precondition
+from tritonopt.optim.kfac_functional import (EIGENBASIS_NAMES, Decomposition, eigenbasis_layout, kfac_eigen_data,
+                                             kfac_precondition)
 
 # The assignment's names are re-exported: this module is KAISA's entry point.
 __all__ = ["KAISACollectiveError", "KAISAPreconditioner", *kaisa_assignment.__all__]
-
 
 class KAISACollectiveError(CollectiveFailure, dist.DistError):
     """A KAISA collective failed: another rank stopped, or did not reach it within the timeout.
@@ -507,8 +507,9 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         halves = {}
         for i, side, dim, flat, work in pending:
             work.wait()
-            square = flat[: dim * dim].view(dim, dim).clone()
-            halves[(i, side)] = square if inverse else Decomposition(flat[dim * dim :].clone(), square)
+            square = flat[: dim * dim].view(dim, dim)
+            halves[(i, side)] = (square.clone() if inverse
+                                 else Decomposition(flat[dim * dim :].clone(), eigenbasis_layout(square)))
         return halves
 
     @staticmethod
@@ -516,7 +517,8 @@ class KAISAPreconditioner(BaseKFACPreconditioner):
         out, offset = {}, 0
         for name, shape in shapes.items():
             n = torch.Size(shape).numel()
-            out[name] = flat[offset : offset + n].view(shape).clone()
+            part = flat[offset : offset + n].view(shape)
+            out[name] = eigenbasis_layout(part) if name in EIGENBASIS_NAMES else part.clone()
             offset += n
         return out
 

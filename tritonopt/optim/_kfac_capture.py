@@ -188,9 +188,10 @@ class KFACStatisticsCapture:
         if self._loss_scale_checks == _LOSS_SCALE_WATCH_STEPS:
             for layer in self.layers:
                 layer.g_sum = None
-        seen = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float64) for s, _ in pairs])
-        applied = torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64) for _, b in pairs])
-        ratios = [r for r in (seen / applied).tolist() if math.isfinite(r) and r > 0]
+        # Float32 norms in one batched call are far within the tolerance; a norm that overflows
+        # float32 gives a ratio that is not finite, and that layer is left out.
+        norms = torch.stack(torch._foreach_norm([s for s, _ in pairs] + [b for _, b in pairs])).to(torch.float64)
+        ratios = [r for r in (norms[: len(pairs)] / norms[len(pairs) :]).tolist() if math.isfinite(r) and r > 0]
         if not ratios:
             return
         exponents = [round(math.log2(r)) for r in ratios]

@@ -26,10 +26,10 @@ from tritonopt.optim._window_algebra import (fold_new_row, ggt_weights, mfac_coe
                                              unfolded_shape, update_gram)
 from tritonopt.optim import kfac_functional as _kfac_functional
 from tritonopt.optim.kfac_functional import (all_finite, kfac_accumulate_statistic, kfac_eigen_data,
-                                             kfac_eigendecompose, kfac_inner_products, kfac_inverses,
-                                             kfac_kl_clip_scale, kfac_precondition, kfac_precondition_layers,
-                                             kfac_running_average, kfac_running_averages,
-                                             kl_clip_scale_of_sum)
+                                             kfac_eigendecompose, kfac_inner_products,
+                                             kfac_inner_products_float32, kfac_inverses, kfac_kl_clip_scale,
+                                             kfac_precondition, kfac_precondition_layers, kfac_running_average,
+                                             kfac_running_averages, kfac_scale_preconditioned, kl_clip_scale_of_sum)
 
 __all__ = sorted([
     *_kfac_functional.LAYER_FUNCTIONS,

@@ -19,7 +19,7 @@ functions of :mod:`tritonopt.optim.kfac_functional`:
    ``grad_scaler``), and average ``X^T X / n`` over the step's forward/backward
    passes (:func:`kfac_accumulate_statistic`). ``step()`` folds them into the
    running average ``F <- decay F + (1 - decay) F_batch`` (``F = I`` before the first
-   update; paper sec. 2.1.2; :func:`kfac_running_average`).
+   update; paper sec. 2.1.2; :func:`kfac_running_average`, one ``lerp`` per factor).
 2. **Eigendecompositions** (``k % inv_update_steps == 0``): ``torch.linalg.eigh`` in
    fp32, batched over layers whose factors have one size, eigenvalues clamped at 0;
    with ``prediv`` the reciprocal ``D = 1 / (dG dA^T + damping)`` is computed once
@@ -30,8 +30,11 @@ functions of :mod:`tritonopt.optim.kfac_functional`:
    = ``(A (x) G + damping I)^-1 grad`` (paper Eq. 15-17), or
    ``(G + damping I)^-1 grad (A + damping I)^-1`` (Eq. 14), :func:`kfac_precondition`.
 4. **KL clip**: ``nu = min(1, sqrt(kl_clip / |lr^2 sum_l <P_l, grad_l>|))`` (``nu = 1``
-   when the sum is 0, no clipping when ``kl_clip`` is None), the sum accumulated in
-   float64; the gradients become ``nu P``. ``nu`` stays on the device.
+   when the sum is 0, no clipping when ``kl_clip`` is None). As in kfac-pytorch, each
+   ``<P_l, grad_l>`` is a float32 dot product and ``nu P`` is taken in float32; where
+   finite entries overflow float32's products the sum is taken in float64 instead, and
+   where ``nu`` lies below float32's normal range ``nu P`` too, so a huge but finite
+   gradient gets a tiny ``nu``, not NaN or 0 (:func:`kfac_scale_preconditioned`).
 
 Non-finite values. ``step()`` returns True when it wrote preconditioned
 gradients. A step whose gradients or fresh factor statistics hold NaN/inf, or

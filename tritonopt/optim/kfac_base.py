@@ -51,11 +51,14 @@ from tritonopt.optim.kfac_functional import (
     buffer_bytes,
     eigen_shapes,
     factor_buffer,
-    flat_float64,
+    float32_finiteness_probe,
     gram_finiteness_probes,
     kfac_eigen_data,
     kfac_eigendecompose,
+    kfac_inner_products,
+    kfac_inner_products_float32,
     kfac_inverses,
+    kfac_scale_preconditioned,
     kl_clip_scale_of_sum,
     kfac_running_averages,
     statistics_finiteness_probe,
@@ -226,39 +229,40 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         grads: dict[int, torch.Tensor],
         statistics: Iterable[int] = (),
         preconditioned: Optional[dict[int, torch.Tensor]] = None,
-        *,
-        flat_grads: Optional[torch.Tensor] = None,
-        inner_product: Optional[torch.Tensor] = None,
     ) -> tuple[Optional[str], Optional[float]]:
-        """What is not finite among these, or None; and the value of ``inner_product`` (None without it).
+        """What is not finite among these, or None; and ``sum_l <P_l, grad_l>`` when ``preconditioned`` is given.
 
-        One host sync, over a few float64 values each finite exactly when all it covers is:
-        ``inner_product`` (``<P, grad>`` over every layer of ``grads``, from
-        :func:`~tritonopt.optim.kfac_functional.flat_float64` of both: float32 products are
-        exact in float64 and cannot overflow there) stands for the gradients and ``P``;
-        without it the sums of the flat gradients (``flat_grads``, their ``flat_float64``, when
-        the caller has it) and of the flat ``P``; and the statistic buffers of the layers
-        ``statistics`` have one probe (:func:`~tritonopt.optim.kfac_functional.statistics_finiteness_probe`).
-        Only when one is not finite are the layers named, with exact probes (a second sync).
+        One host sync, over a few values each finite when all it covers is: with
+        ``preconditioned``, the float32 ``<P_l, grad_l>`` of every layer of ``grads``
+        (:func:`~tritonopt.optim.kfac_functional.kfac_inner_products_float32`), which stand for
+        the gradients and ``P`` and add up to the KL clip's sum; without it, one float32 probe
+        of the gradients; and one probe of the statistic buffers of the layers ``statistics``
+        (:func:`~tritonopt.optim.kfac_functional.statistics_finiteness_probe`). Float32 can
+        overflow on finite entries, so when a value is not finite, exact float64 probes decide
+        and name the layers at fault (a second sync), and the sum is taken in float64.
         """
         statistics = list(statistics)
+        order = list(grads)
+        with_products = bool(order) and preconditioned is not None
         parts = []
-        if inner_product is not None:
-            parts.append(inner_product.reshape(1))
-        elif grads:
-            flat = flat_grads if flat_grads is not None else flat_float64(list(grads.values()))
-            parts.append(flat.sum().reshape(1))
-            if preconditioned:
-                parts.append(flat_float64([preconditioned[i] for i in grads]).sum().reshape(1))
+        if with_products:
+            products = kfac_inner_products_float32([preconditioned[i] for i in order], [grads[i] for i in order])
+            parts.append(products.sum(dtype=torch.float64).reshape(1))
+        elif order:
+            parts.append(float32_finiteness_probe([grads[i] for i in order]).reshape(1))
         if statistics:
             parts.append(statistics_finiteness_probe(self._statistic_buffers(statistics)).reshape(1))
         if not parts:
             return None, None
         values = torch.cat(parts).tolist()
-        reading = values[0] if inner_product is not None else None
+        inner_sum = values[0] if with_products else None
         if all(math.isfinite(v) for v in values):
-            return None, reading
-        return self._nonfinite_layers(grads, statistics, preconditioned), reading
+            return None, inner_sum
+        problem = self._nonfinite_layers(grads, statistics, preconditioned)
+        if problem is None and with_products and not math.isfinite(inner_sum):
+            # Finite gradients and P whose float32 products overflowed: float64 holds them exactly.
+            inner_sum = kfac_inner_products([preconditioned[i] for i in order], [grads[i] for i in order]).sum().item()
+        return problem, inner_sum
 
     def _statistic_buffers(self, statistics: list[int]) -> list[torch.Tensor]:
         return [t for i in statistics for t in (self.layers[i].a_batch, self.layers[i].g_batch)]
@@ -317,7 +321,10 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         """
         candidates = [(i, self.factors_of(i, folded)) for i in indices]
         candidates = [(i, f) for i, f in candidates if f is not None]
-        flags = all_finite([t for _, pair in candidates for t in pair])
+        matrices = [t for _, pair in candidates for t in pair]
+        if not matrices or math.isfinite(float32_finiteness_probe(matrices).item()):
+            return [i for i, _ in candidates]
+        flags = all_finite(matrices)
         usable = []
         for k, (i, _) in enumerate(candidates):
             if flags[2 * k] and flags[2 * k + 1]:
@@ -381,10 +388,8 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         Returns :meth:`finish_step`'s answer.
         """
         eigen_step = self.is_eigen_step()
-        flat_grads = None
         if eigen_step:  # decompositions are costly: do not start them on non-finite input
-            flat_grads = flat_float64(list(grads.values())) if grads else None
-            problem, _ = self.nonfinite_problem(grads, statistics, flat_grads=flat_grads)
+            problem, _ = self.nonfinite_problem(grads, statistics)
             if problem is not None:
                 return self.refuse_step(problem)
         with nvtx_range(f"tritonopt/{self.algorithm}/factor_fold"):
@@ -397,7 +402,7 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
             preconditioned = precondition(grads, eigen, hyper["damping"])
         with nvtx_range(f"tritonopt/{self.algorithm}/scale"):
             return self.finish_step(grads, preconditioned, folded, eigen, hyper,
-                                    statistics=() if eigen_step else statistics, flat_grads=flat_grads)
+                                    statistics=() if eigen_step else statistics)
 
     def finish_step(
         self,
@@ -407,48 +412,30 @@ class BaseKFACPreconditioner(KFACStatisticsCapture, KFACCheckpoints):
         eigen: dict[int, dict[str, torch.Tensor]],
         hyper: dict,
         statistics: Iterable[int] = (),
-        flat_grads: Optional[torch.Tensor] = None,
     ) -> bool:
         """Apply the KL clip and commit the step; False (nothing committed) if it is refused.
 
         The gradients, the statistic buffers of the layers ``statistics`` (folded
         or not: non-finite either way), the preconditioned gradients and the KL
-        scale are checked together (one host sync); a refused step leaves
-        everything as it was. ``flat_grads``: ``flat_float64`` of ``grads``, if the
-        caller made it.
+        clip's sum are checked together (one host sync, :meth:`nonfinite_problem`);
+        a refused step leaves everything as it was. ``preconditioned`` is the
+        step's own: the clip scales it in place.
         """
         order = list(grads)
-        inner_product = flat_p = None
-        if hyper["kl_clip"] is not None and order:
-            # P in float64 serves twice: in <P, grad> (float32 products are exact there, so the
-            # sum cannot overflow) and, when the clip scales, in nu P rounded once to float32.
-            flat_p = flat_float64([preconditioned[i] for i in order])
-            if flat_grads is None:
-                flat_grads = flat_float64([grads[i] for i in order])
-            inner_product = torch.dot(flat_p, flat_grads)
-        problem, inner_sum = self.nonfinite_problem(grads, statistics, preconditioned, flat_grads=flat_grads,
-                                                    inner_product=inner_product)
+        problem, inner_sum = self.nonfinite_problem(grads, statistics, preconditioned)
         if problem is not None:
             return self.refuse_step(problem)
         kl_scale = None
-        if inner_product is not None:
+        if hyper["kl_clip"] is not None and order:
             kl_scale = kl_clip_scale_of_sum(inner_sum, lr=hyper["lr"], kl_clip=hyper["kl_clip"])
         for i, (a, g) in folded.items():
             self._store_factors(self.layers[i], a, g)
         for i, data in eigen.items():
             self.layers[i].eigen = data
-        if kl_scale is None or kl_scale == 1.0:  # nu = 1 leaves P as it is, bit for bit
-            for i in order:
-                self.write_gradient(i, preconditioned[i])
-        else:
-            # nu may lie below float32's normal range when P is huge: scale in float64, round once.
-            flat_p.mul_(kl_scale)
-            offset = 0
-            for i in order:
-                shape = preconditioned[i].shape
-                size = preconditioned[i].numel()
-                self.write_gradient(i, flat_p[offset : offset + size].view(shape))
-                offset += size
+        if kl_scale is not None and kl_scale != 1.0:  # nu = 1 leaves P as it is, bit for bit
+            kfac_scale_preconditioned([preconditioned[i] for i in order], kl_scale)
+        for i in order:
+            self.write_gradient(i, preconditioned[i])
         self.last_kl_scale = None if kl_scale is None else torch.tensor(kl_scale, dtype=torch.float64)
         self.steps += 1
         return True

@@ -7,21 +7,23 @@ puts its collectives between them. Re-exported by :mod:`tritonopt.optim.function
 For a layer with A factor ``[a, a]`` and G factor ``[g, g]`` (see
 :mod:`tritonopt.optim._kfac_layers` for the layout of ``grad``, ``[g, a]``):
 
-===============================  ==================================================
-:func:`kfac_accumulate_statistic`  micro-batch mean of ``X^T X / n`` (paper sec. 4.2)
-:func:`kfac_running_average`      ``decay F + (1 - decay) F_batch`` (sec. 2.1.2)
-:func:`kfac_running_averages`     the same for many factors, batched
-:func:`kfac_eigendecompose`       ``eigh`` in float32, eigenvalues clamped at 0 (sec. 3.3)
-:func:`kfac_inverses`             ``(F + damping I)^-1`` for the inverse method (Eq. 12-14)
-:func:`kfac_eigen_data`           what a gradient worker keeps (prediv: sec. 4.4)
-:func:`kfac_precondition`         ``P`` for one layer (Eq. 15-17, or Eq. 14)
-:func:`kfac_precondition_layers`  the same for many layers whose buffers the caller made
-:func:`kfac_inner_products`       ``<P_l, grad_l>`` in float64, per layer
-:func:`kfac_kl_clip_scale`        the KL-clip factor ``nu`` (float64) from them
-:func:`kl_clip_scale_of_sum`      the same ``nu`` on the host, from their sum read there
-:func:`all_finite`                many finiteness checks, one host synchronisation
-:func:`factor_buffer`             a ``[d, d]`` factor in the layout below
-===============================  ==================================================
+===================================  ==================================================
+:func:`kfac_accumulate_statistic`    micro-batch mean of ``X^T X / n`` (paper sec. 4.2)
+:func:`kfac_running_average`         ``decay F + (1 - decay) F_batch`` (sec. 2.1.2)
+:func:`kfac_running_averages`        the same for many factors, batched
+:func:`kfac_eigendecompose`          ``eigh`` in float32, eigenvalues clamped at 0 (sec. 3.3)
+:func:`kfac_inverses`                ``(F + damping I)^-1`` for the inverse method (Eq. 12-14)
+:func:`kfac_eigen_data`              what a gradient worker keeps (prediv: sec. 4.4)
+:func:`kfac_precondition`            ``P`` for one layer (Eq. 15-17, or Eq. 14)
+:func:`kfac_precondition_layers`     the same for many layers whose buffers the caller made
+:func:`kfac_inner_products`          ``<P_l, grad_l>`` in float64, per layer
+:func:`kfac_inner_products_float32`  the same in float32 (a fast probe; float64 decides)
+:func:`kfac_kl_clip_scale`           the KL-clip factor ``nu`` (float64) from them
+:func:`kfac_scale_preconditioned`    ``nu P`` in place, the clip applied
+:func:`kl_clip_scale_of_sum`         the same ``nu`` on the host, from their sum read there
+:func:`all_finite`                   many finiteness checks, one host synchronisation
+:func:`factor_buffer`                a ``[d, d]`` factor in the layout below
+===================================  ==================================================
 
 Factor layout. A factor (statistic buffer or running average) of ``d >= 128``
 columns is the ``[:, :d]`` view of a ``[d, factor_row_stride(d)]`` buffer, its
@@ -67,29 +69,35 @@ LAYER_FUNCTIONS = (
     "kfac_eigen_data",
     "kfac_eigendecompose",
     "kfac_inner_products",
+    "kfac_inner_products_float32",
     "kfac_inverses",
     "kfac_kl_clip_scale",
     "kfac_precondition",
     "kfac_precondition_layers",
     "kfac_running_average",
     "kfac_running_averages",
+    "kfac_scale_preconditioned",
     "kl_clip_scale_of_sum",
 )
 __all__ = sorted([
     "COMPUTE_METHODS",
+    "EIGENBASIS_NAMES",
     "Decomposition",
     "buffer_bytes",
     "eigen_shapes",
+    "eigenbasis_layout",
     "factor_buffer",
     "factor_row_stride",
     "finiteness_probes",
-    "flat_float64",
+    "float32_finiteness_probe",
     "gram_finiteness_probes",
     "statistics_finiteness_probe",
     *LAYER_FUNCTIONS,
 ])
 
 COMPUTE_METHODS = ("eigen", "inverse")
+# The eigen data that are eigenbases, kept in eigh's column-major layout (see eigenbasis_layout).
+EIGENBASIS_NAMES = ("qa", "qg")
 
 # See "Factor layout" above: rows of factors this wide or wider are padded to a multiple of
 # FACTOR_ROW_ALIGN entries.
@@ -138,7 +146,8 @@ def _float32_products(device: torch.device):
 
 
 class Decomposition(NamedTuple):
-    """``F = vectors diag(values) vectors^T``: float32, ``values >= 0``, both contiguous."""
+    """``F = vectors diag(values) vectors^T``: float32, ``values >= 0``; ``vectors`` in the
+    column-major layout ``eigh`` gives them (see :func:`eigenbasis_layout`)."""
 
     values: torch.Tensor
     vectors: torch.Tensor
@@ -188,17 +197,15 @@ def statistics_finiteness_probe(statistics: Sequence[torch.Tensor]) -> torch.Ten
     return torch.stack([torch.trace(s) for s in statistics]).sum(dtype=torch.float64)
 
 
-def flat_float64(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Every entry of ``tensors``, flattened and concatenated in their order, in float64 (one copy).
+def float32_finiteness_probe(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float64 scalar, finite when every entry of ``tensors`` is: the sum of their float32 sums.
 
-    Products of two such vectors' float32 entries are exact in float64, so their
-    dot product cannot overflow, and it is finite exactly when both vectors are.
+    NaN and inf reach it, but a float32 sum can also overflow on finite entries;
+    so a finite probe clears them all, and a caller that finds it not finite asks
+    :func:`all_finite` (exact, float64) which are. A third of the cost of the
+    float64 sums on a CPU.
     """
-    if not tensors:
-        raise ValueError("flat_float64 needs at least one tensor")
-    # Concatenating in the tensors' dtype and converting once is faster than either alone.
-    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
-    return flat.to(torch.float64)
+    return torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum(dtype=torch.float64)
 
 
 def all_finite(tensors: Sequence[Optional[torch.Tensor]]) -> list[bool]:
@@ -248,10 +255,10 @@ def kfac_running_average(
     before the first update, when the identity stands in for it). The result is
     written to ``out`` (float32; it may be ``statistic`` itself) or a new tensor;
     ``factor`` is never modified, so a caller can still drop the result.
+    Computed as one ``torch.lerp(statistic, factor, decay)``: one pass over the
+    two matrices, rounded once per entry.
     """
-    if factor is None:
-        factor = torch.eye(statistic.shape[0], dtype=torch.float32, device=statistic.device)
-    return torch.add(factor.to(torch.float32) * decay, statistic, alpha=1.0 - decay, out=out)
+    return kfac_running_averages([factor], [statistic], decay, out=None if out is None else [out])[0]
 
 
 def kfac_running_averages(
@@ -261,8 +268,8 @@ def kfac_running_averages(
     *,
     out: Optional[Sequence[torch.Tensor]] = None,
 ) -> list[torch.Tensor]:
-    """:func:`kfac_running_average` of each pair, bit for bit, the scalings of the old factors in
-    one batched call (a step over many small layers is bound by the calls, not the arithmetic)."""
+    """:func:`kfac_running_average` of each pair, bit for bit, in one batched call (a step over
+    many small layers is bound by the calls, not the arithmetic)."""
     if len(factors) != len(statistics):
         raise ValueError(f"got {len(factors)} factors for {len(statistics)} statistics")
     if out is not None and len(out) != len(statistics):
@@ -272,10 +279,17 @@ def kfac_running_averages(
         else f if f.dtype == torch.float32 else f.to(torch.float32)
         for f, s in zip(factors, statistics)
     ]
-    # One multiplication is rounded the same by the batched and the single op.
-    scaled = torch._foreach_mul(olds, decay) if olds else []
-    return [torch.add(old, s, alpha=1.0 - decay, out=None if out is None else out[k])
-            for k, (old, s) in enumerate(zip(scaled, statistics))]
+    if out is None:
+        results = [s.clone() for s in statistics]
+    else:
+        results = list(out)
+        for r, s in zip(results, statistics):
+            if r is not s:
+                r.copy_(s)
+    if results:
+        # lerp(S, F, decay) = S + decay (F - S): the batched and the single op round alike.
+        torch._foreach_lerp_(results, olds, decay)
+    return results
 
 
 def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomposition]]:
@@ -283,9 +297,9 @@ def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomp
 
     Factors are read in float32 whatever their storage dtype (paper sec. 3.3:
     ``eigh`` is unstable in half precision); eigenvalues below 0 (round-off of
-    a positive semi-definite matrix) are clamped to 0; eigenvectors are made
-    contiguous (``eigh`` returns them column-major, which collectives would
-    move wrongly). An entry is None where ``torch.linalg.eigh`` failed: a
+    a positive semi-definite matrix) are clamped to 0; eigenvectors stay in
+    ``eigh``'s column-major layout, which every holder of eigen data keeps
+    (:func:`eigenbasis_layout`). An entry is None where ``torch.linalg.eigh`` failed: a
     failing batch is retried one factor at a time, so only the failing factors
     are None. Callers check finiteness first (:func:`all_finite`).
     """
@@ -313,8 +327,21 @@ def kfac_eigendecompose(factors: Sequence[torch.Tensor]) -> list[Optional[Decomp
         for batch_indices, values, vectors in batches:
             values = values.clamp_(min=0.0)
             for k, i in enumerate(batch_indices):
-                results[i] = Decomposition(values[k].contiguous(), vectors[k].contiguous())
+                results[i] = Decomposition(values[k], vectors[k])
     return results
+
+
+def eigenbasis_layout(matrix: torch.Tensor) -> torch.Tensor:
+    """A copy of the square ``matrix`` in the column-major layout ``torch.linalg.eigh`` gives its
+    eigenvectors (strides ``(1, n)``).
+
+    Every holder of an eigenbasis keeps it so, rather than copying it to row-major after each
+    decomposition (a transposing copy of every factor's size): a matrix product may round a
+    transposed operand differently, so ranks that received a basis must hold it in the layout
+    of the rank that computed it, and of a one-process run.
+    """
+    n = matrix.shape[0]
+    return torch.empty_strided((n, n), (1, n), dtype=matrix.dtype, device=matrix.device).copy_(matrix)
 
 
 def kfac_inverses(factors: Sequence[torch.Tensor], damping: float) -> list[Optional[torch.Tensor]]:
@@ -367,10 +394,12 @@ def kfac_eigen_data(
     if isinstance(a, torch.Tensor):
         data = {"a_inv": a, "g_inv": g}
     elif prediv:
-        data = {"qa": a.vectors, "qg": g.vectors, "inv_denominator": eigen_inv_denominator(g.values, a.values, damping)}
+        # Prepared: the eigenvalues are this module's own (no argument checks per layer).
+        inv_denominator = eigen_inv_denominator.prepared(a.values.device)(g.values, a.values, damping)
+        data = {"qa": a.vectors, "qg": g.vectors, "inv_denominator": inv_denominator}
     else:
         data = {"qa": a.vectors, "qg": g.vectors, "da": a.values, "dg": g.values}
-    return {name: t.to(dtype).contiguous() for name, t in data.items()}
+    return {name: t if t.dtype == dtype else t.to(dtype) for name, t in data.items()}
 
 
 def kfac_precondition(
@@ -434,6 +463,35 @@ def kfac_inner_products(preconditioned: Sequence[torch.Tensor], grads: Sequence[
         torch.dot(p.reshape(-1).to(torch.float64), g.reshape(-1).to(torch.float64))
         for p, g in zip(preconditioned, grads)
     ])
+
+
+def kfac_inner_products_float32(preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``<P_l, grad_l>`` for each layer, float32 ``[L]``, as kfac-pytorch computes its KL clip's sum.
+
+    One float32 dot product per layer. An entry is not finite when its layer's
+    ``P`` or ``grad`` is, but also when a product overflows float32 on finite
+    entries: a caller that finds one not finite asks :func:`kfac_inner_products`
+    (float64, exact) for the sum and for which tensors are at fault.
+    """
+    return torch.stack([torch.dot(p.reshape(-1), g.reshape(-1)) for p, g in zip(preconditioned, grads)])
+
+
+def kfac_scale_preconditioned(preconditioned: Sequence[torch.Tensor], nu: float) -> None:
+    """``P_l *= nu`` for every layer, in place: the KL clip applied (``0 <= nu <= 1``).
+
+    In float32, as kfac-pytorch scales, when ``nu`` is a normal float32 number;
+    below that range (a huge ``P``) ``nu`` would lose its digits in float32, so
+    the product is taken in float64 and rounded once.
+    """
+    if not 0.0 <= nu <= 1.0:
+        raise ValueError(f"the KL clip's factor must lie in [0, 1], got {nu!r}")
+    if not preconditioned:
+        return
+    if nu >= torch.finfo(torch.float32).tiny or nu == 0.0:
+        torch._foreach_mul_(list(preconditioned), nu)
+        return
+    for p in preconditioned:
+        p.copy_(p.to(torch.float64).mul_(nu))
 
 
 def kfac_kl_clip_scale(inner_products: torch.Tensor, *, lr: float, kl_clip: Optional[float]) -> Optional[torch.Tensor]:
