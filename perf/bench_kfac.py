@@ -110,9 +110,8 @@ def precondition_case(g, a, device, precision) -> harness.Case:
     return harness.Case(
         op="eigenbasis_precondition", shape=dict(shape=f"{g}x{a}", size=max(g, a)),
         floor_flops=4 * g * a * (g + a), precision=precision,
-        triton=ready(lambda: kernels.eigenbasis_precondition_triton(
-            grad, qa, qg, inv_denominator=inv, precision=precision)),
-        reference=ready(lambda: kernels.eigenbasis_precondition_reference(grad, qa, qg, inv_denominator=inv)),
+        triton=ready(lambda: kernels.eigenbasis_precondition_prediv_triton(grad, qa, qg, inv, precision)),
+        reference=ready(lambda: kernels.eigenbasis_precondition_prediv_reference(grad, qa, qg, inv)),
         public=ready(lambda: tritonopt.ops.eigenbasis_precondition_prediv(grad, qa, qg, inv, precision=precision)),
         torch=ready(lambda: precondition_composite(grad, qa, qg, inv)),
     )

@@ -194,16 +194,16 @@ def test_precondition_triton_matches_reference_many_tiles(prediv, shape):
     grad = torch.randn(g_dim, a_dim)
     qa, da = eig32(a_factor)
     qg, dg = eig32(g_factor)
-    kwargs = (
-        {"inv_denominator": kernels.eigen_inv_denominator_reference(dg, da, 0.05)}
-        if prediv else {"da": da, "dg": dg, "damping": 0.05}
-    )
+    if prediv:
+        args = (grad, qa, qg, kernels.eigen_inv_denominator_reference(dg, da, 0.05))
+        triton = kernels.eigenbasis_precondition_prediv_triton
+        reference = kernels.eigenbasis_precondition_prediv_reference
+    else:
+        args = (grad, qa, da, qg, dg, 0.05)
+        triton, reference = kernels.eigenbasis_precondition_triton, kernels.eigenbasis_precondition_reference
     target = backend_device("triton")
-    ours = kernels.eigenbasis_precondition_triton(
-        grad.to(target), qa.to(target), qg.to(target), block=16, **{k: v.to(target) if isinstance(v, torch.Tensor)
-                                                                     else v for k, v in kwargs.items()}
-    ).cpu()
-    ref = kernels.eigenbasis_precondition_reference(grad, qa, qg, **kwargs)
+    ours = triton(*[a.to(target) if isinstance(a, torch.Tensor) else a for a in args], block=16).cpu()
+    ref = reference(*args)
     assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
@@ -235,10 +235,10 @@ def test_plain_tf32_would_break_the_tolerance_tf32x3_keeps():
     qg, dg = eig32(g_factor)
     expected = kron_solve(grad, a_factor, g_factor, damping)
     tol = 2e-5 * grad.abs().max().item() / damping * (24 + 32) ** 0.5
-    fp32 = kernels.eigenbasis_precondition_reference(grad, qa, qg, da=da, dg=dg, damping=damping)
+    fp32 = kernels.eigenbasis_precondition_reference(grad, qa, da, qg, dg, damping)
     assert (fp32.double() - expected).abs().max().item() <= tol
     tf32 = kernels.eigenbasis_precondition_reference(
-        _round_to_tf32(grad), _round_to_tf32(qa), _round_to_tf32(qg), da=da, dg=dg, damping=damping
+        _round_to_tf32(grad), _round_to_tf32(qa), da, _round_to_tf32(qg), dg, damping
     )
     assert (tf32.double() - expected).abs().max().item() > tol
 

@@ -298,13 +298,10 @@ def _model_launches(kernels: dict, model_names: list[str]) -> list[_Launch]:
                                                    precision)
                     kfac.kfac_factor_update_triton(factor(g), empty(rows, g), 0.95, False, 1.0,
                                                    precision)
-                    kfac.eigenbasis_precondition_triton(
-                        empty(g, a), empty(a, a), empty(g, g), inv_denominator=empty(g, a), precision=precision
-                    )
-                    kfac.eigenbasis_precondition_triton(
-                        empty(g, a), empty(a, a), empty(g, g), da=empty(a), dg=empty(g), damping=1e-3,
-                        precision=precision,
-                    )
+                    kfac.eigenbasis_precondition_prediv_triton(empty(g, a), empty(a, a), empty(g, g), empty(g, a),
+                                                               precision)
+                    kfac.eigenbasis_precondition_triton(empty(g, a), empty(a, a), empty(a), empty(g, g), empty(g),
+                                                        1e-3, precision)
                 for dim in (a, g):
                     label(f"{model_name} kfac factor {dim}x{dim}")
                     kfac.triu_pack_triton(factor(dim), torch.bfloat16)

@@ -189,10 +189,10 @@ def _(grad, qa, da, qg, dg, damping, precision=_kernels.DEFAULT_PRECISION):
 
 eigenbasis_precondition.register_backends(
     triton=lambda grad, qa, da, qg, dg, damping, precision=_kernels.DEFAULT_PRECISION: (
-        _kernels.eigenbasis_precondition_triton(grad, qa, qg, da=da, dg=dg, damping=damping, precision=precision)
+        _kernels.eigenbasis_precondition_triton(grad, qa, da, qg, dg, damping, precision)
     ),
     reference=lambda grad, qa, da, qg, dg, damping, precision=None: (
-        _kernels.eigenbasis_precondition_reference(grad, qa, qg, da=da, dg=dg, damping=damping)
+        _kernels.eigenbasis_precondition_reference(grad, qa, da, qg, dg, damping)
     ),
 )
 
@@ -228,10 +228,10 @@ def _(grad, qa, qg, inv_denominator, precision=_kernels.DEFAULT_PRECISION):
 
 eigenbasis_precondition_prediv.register_backends(
     triton=lambda grad, qa, qg, inv_denominator, precision=_kernels.DEFAULT_PRECISION: (
-        _kernels.eigenbasis_precondition_triton(grad, qa, qg, inv_denominator=inv_denominator, precision=precision)
+        _kernels.eigenbasis_precondition_prediv_triton(grad, qa, qg, inv_denominator, precision)
     ),
     reference=lambda grad, qa, qg, inv_denominator, precision=None: (
-        _kernels.eigenbasis_precondition_reference(grad, qa, qg, inv_denominator=inv_denominator)
+        _kernels.eigenbasis_precondition_prediv_reference(grad, qa, qg, inv_denominator)
     ),
 )
 

@@ -415,21 +415,30 @@ def _gemm(
 
 
 def eigenbasis_precondition_triton(
-    grad: torch.Tensor,
-    qa: torch.Tensor,
-    qg: torch.Tensor,
-    *,
-    da: torch.Tensor | None = None,
-    dg: torch.Tensor | None = None,
-    damping: float = 0.0,
-    inv_denominator: torch.Tensor | None = None,
-    precision: str = DEFAULT_PRECISION,
-    block: int | None = None,
+    grad: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float,
+    precision: str = DEFAULT_PRECISION, *, block: int | None = None,
 ) -> torch.Tensor:
-    """``QG [(QG^T grad QA) / (dG dA^T + damping)] QA^T`` (or ``* inv_denominator``), fp32.
+    """``QG [(QG^T grad QA) / (dG dA^T + damping)] QA^T``, fp32 (the op ``eigenbasis_precondition``).
 
     Arguments must already be validated. ``block`` forces one square tile size.
     """
+    return _eigenbasis_triton(grad, qa, qg, precision, block, epilogue=_EPILOGUE_DIVIDE_OUTER, e1=dg, e2=da,
+                              damping=damping)
+
+
+def eigenbasis_precondition_prediv_triton(
+    grad: torch.Tensor, qa: torch.Tensor, qg: torch.Tensor, inv_denominator: torch.Tensor,
+    precision: str = DEFAULT_PRECISION, *, block: int | None = None,
+) -> torch.Tensor:
+    """``QG [(QG^T grad QA) * inv_denominator] QA^T``, fp32 (the op ``eigenbasis_precondition_prediv``).
+
+    Arguments must already be validated. ``block`` forces one square tile size.
+    """
+    return _eigenbasis_triton(grad, qa, qg, precision, block, epilogue=_EPILOGUE_MULTIPLY, e1=inv_denominator)
+
+
+def _eigenbasis_triton(grad, qa, qg, precision, block, **scaling) -> torch.Tensor:
+    # Four GEMMs; the second scales the rotated gradient in its epilogue (``scaling``: _gemm's).
     g_dim, a_dim = grad.shape
     first = torch.empty((g_dim, a_dim), dtype=torch.float32, device=grad.device)
     second = torch.empty_like(first)
@@ -437,36 +446,30 @@ def eigenbasis_precondition_triton(
         return second
     with _device_guard(grad):
         _gemm(qg, grad, first, transpose_a=True, precision=precision, block=block)  # QG^T grad
-        if inv_denominator is not None:
-            _gemm(first, qa, second, epilogue=_EPILOGUE_MULTIPLY, e1=inv_denominator,
-                  precision=precision, block=block)
-        else:
-            _gemm(first, qa, second, epilogue=_EPILOGUE_DIVIDE_OUTER, e1=dg, e2=da,
-                  damping=damping, precision=precision, block=block)
+        _gemm(first, qa, second, precision=precision, block=block, **scaling)  # (. QA) scaled
         _gemm(second, qa, first, transpose_b=True, precision=precision, block=block)  # V2 QA^T
         _gemm(qg, first, second, precision=precision, block=block)  # QG (V2 QA^T)
     return second
 
 
 def eigenbasis_precondition_reference(
-    grad: torch.Tensor,
-    qa: torch.Tensor,
-    qg: torch.Tensor,
-    *,
-    da: torch.Tensor | None = None,
-    dg: torch.Tensor | None = None,
-    damping: float = 0.0,
-    inv_denominator: torch.Tensor | None = None,
+    grad: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float,
 ) -> torch.Tensor:
     """Plain-PyTorch eigenbasis preconditioning in float32 (paper Eq. 15-17)."""
     qa, qg = _float32(qa), _float32(qg)
     with _float32_products(grad.device):
         rotated = qg.T @ _float32(grad) @ qa
-        if inv_denominator is not None:
-            rotated = rotated * _float32(inv_denominator)
-        else:
-            rotated = rotated / (torch.outer(_float32(dg), _float32(da)) + damping)
-        return qg @ rotated @ qa.T
+        return qg @ (rotated / (torch.outer(_float32(dg), _float32(da)) + damping)) @ qa.T
+
+
+def eigenbasis_precondition_prediv_reference(
+    grad: torch.Tensor, qa: torch.Tensor, qg: torch.Tensor, inv_denominator: torch.Tensor,
+) -> torch.Tensor:
+    """Plain-PyTorch eigenbasis preconditioning with the precomputed reciprocal (paper sec. 4.4), float32."""
+    qa, qg = _float32(qa), _float32(qg)
+    with _float32_products(grad.device):
+        rotated = qg.T @ _float32(grad) @ qa
+        return qg @ (rotated * _float32(inv_denominator)) @ qa.T
 
 
 def _float32(t: torch.Tensor) -> torch.Tensor:
