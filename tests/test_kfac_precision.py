@@ -539,6 +539,15 @@ def test_float32_inner_products_are_the_float64_ones_rounded_and_flag_overflow()
     nan = torch.tensor([[float("nan")]])
     assert F.kfac_inner_products_float32([nan, torch.ones(1, 1)], [torch.ones(1, 1)] * 2).isfinite().tolist() == [
         False, True]
+    for inner_products in (F.kfac_inner_products_float32, F.kfac_inner_products):
+        with pytest.raises(ValueError, match="got 1 preconditioned gradients for 2 gradients"):
+            inner_products(ps[:1], gs)
+        with pytest.raises(ValueError, match="at least one layer"):
+            inner_products([], [])
+        with pytest.raises(ValueError, match=r"layer 1: P is \(3, 2\) but grad is \(2, 3\)"):
+            inner_products(ps, [gs[0], gs[1].T])
+    with pytest.raises(TypeError, match="layer 0: P and grad must be float32, got torch.bfloat16"):
+        F.kfac_inner_products_float32([ps[0].to(torch.bfloat16)], gs[:1])
 
 
 def test_the_kl_scale_is_applied_in_float32_and_in_float64_below_its_normal_range():

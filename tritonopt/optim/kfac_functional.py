@@ -459,6 +459,7 @@ def kfac_inner_products(preconditioned: Sequence[torch.Tensor], grads: Sequence[
     Accumulated in float64, where products of float32 values cannot overflow:
     an entry is finite exactly when both its layer's ``P`` and ``grad`` are.
     """
+    _check_layer_pairs(preconditioned, grads)
     return torch.stack([
         torch.dot(p.reshape(-1).to(torch.float64), g.reshape(-1).to(torch.float64))
         for p, g in zip(preconditioned, grads)
@@ -473,7 +474,21 @@ def kfac_inner_products_float32(preconditioned: Sequence[torch.Tensor], grads: S
     entries: a caller that finds one not finite asks :func:`kfac_inner_products`
     (float64, exact) for the sum and for which tensors are at fault.
     """
+    _check_layer_pairs(preconditioned, grads)
+    for layer, (p, g) in enumerate(zip(preconditioned, grads)):
+        if p.dtype != torch.float32 or g.dtype != torch.float32:
+            raise TypeError(f"layer {layer}: P and grad must be float32, got {p.dtype} and {g.dtype}")
     return torch.stack([torch.dot(p.reshape(-1), g.reshape(-1)) for p, g in zip(preconditioned, grads)])
+
+
+def _check_layer_pairs(preconditioned: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    if len(preconditioned) != len(grads):
+        raise ValueError(f"got {len(preconditioned)} preconditioned gradients for {len(grads)} gradients")
+    if not grads:
+        raise ValueError("inner products need at least one layer")
+    for layer, (p, g) in enumerate(zip(preconditioned, grads)):
+        if p.shape != g.shape:
+            raise ValueError(f"layer {layer}: P is {tuple(p.shape)} but grad is {tuple(g.shape)}")
 
 
 def kfac_scale_preconditioned(preconditioned: Sequence[torch.Tensor], nu: float) -> None:
