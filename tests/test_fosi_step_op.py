@@ -207,3 +207,28 @@ def test_gpu_triton_matches_reference_at_real_sizes(n, r):
         out[backend] = (w, a, b)
     for x, y in zip(out["triton"], out["reference"]):
         assert torch.allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("r", [0, 4])
+@pytest.mark.parametrize("base_scale", [1.0, 2.5])
+def test_the_prepared_update_an_optimizer_runs_is_the_checked_one_bit_for_bit(r, base_scale):
+    """FOSI's step calls the fused op prepared (no argument checks): the same bits as the public call."""
+    from tritonopt.optim.functional import FOSIHyper, fosi_update
+
+    p = problem(300, r, seed=5)
+    outputs = []
+    for prepared in (False, True):
+        w, a, b = p["w"].clone(), p["a"].clone(), p["b"].clone()
+        velocity = torch.full((r,), 0.3)
+        for step in (1, 2):
+            fosi_update(w, p["g"] * step, p["basis"], p["scale"], base="adam",
+                        segments=[FOSIHyper(stop=300, lr=0.01, weight_decay=0.1)], step=step,
+                        first_moment=a, second_moment=b, base_scale=base_scale,
+                        g1_velocity=velocity if r else None, g1_decay=0.9, g1_gain=0.1, prepared=prepared)
+        outputs.append((w, a, b, velocity))
+    for checked, prepared in zip(*outputs):
+        assert torch.equal(checked, prepared)
+    with pytest.raises(ValueError, match="grad must be 1-D with 300 entries"):  # the public call checks
+        fosi_update(p["w"].clone(), p["g"][:-1], p["basis"], p["scale"], base="adam",
+                    segments=[FOSIHyper(stop=300, lr=0.01)], step=1, first_moment=p["a"].clone(),
+                    second_moment=p["b"].clone())

@@ -326,20 +326,17 @@ def fosi_step_reference(
     base, lr, beta1, beta2, eps, step, base_scale, g1_decay, g1_gain,
 ) -> None:
     """Plain-PyTorch FOSI step; same contract as :func:`fosi_step_triton`."""
-    g = grad.to(torch.float32)
-    r = basis.shape[0]
-    if r > 0:
-        coef = basis @ g
-        newton = newton_coefficients(coef, newton_scale, g1_velocity, g1_decay, g1_gain)
-        g2 = g - coef @ basis
-        newton_step = -(newton @ basis)
-    else:
-        g2 = g
-        newton_step = torch.zeros_like(g)
-    u = base_update_reference(g2, state_a, state_b, base, lr, beta1, beta2, eps, step)
-    if r > 0:
-        e = basis @ u
-        param.add_(newton_step + base_scale * u)
-        param.sub_(base_scale * (e @ basis))
-    else:
-        param.add_(newton_step + base_scale * u)
+    g = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
+    if basis.shape[0] == 0:
+        u = base_update_reference(g, state_a, state_b, base, lr, beta1, beta2, eps, step)
+        param.add_(torch.zeros_like(g) + base_scale * u)  # 0 + x, not x: -0 becomes +0, as it always has
+        return
+    coef = basis @ g
+    newton = newton_coefficients(coef, newton_scale, g1_velocity, g1_decay, g1_gain)
+    u = base_update_reference(g - coef @ basis, state_a, state_b, base, lr, beta1, beta2, eps, step)
+    e = basis @ u
+    # A small model's step is bound by its calls: x - y is x + (-y) exactly and 1 * x is x, so
+    # the negation and the unit scalings are left out without changing a bit.
+    scaled = u if base_scale == 1.0 else base_scale * u
+    param.add_(scaled - newton @ basis)
+    param.sub_(e @ basis if base_scale == 1.0 else base_scale * (e @ basis))

@@ -196,7 +196,8 @@ class LocalSubspace:
         return new_basis @ (velocity @ old_basis)
 
     def update(self, weights, grad, basis, newton_scale, *, all_rows: int, **kwargs) -> None:
-        fosi_update(weights, grad, basis, newton_scale, **kwargs)
+        # The optimizer's own packed buffers, checked when they were packed.
+        fosi_update(weights, grad, basis, newton_scale, prepared=True, **kwargs)
 
     def identity(self) -> dict:
         return {}

@@ -14,11 +14,13 @@ defined in :mod:`tritonopt.optim.kfac_functional`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from tritonopt._runtime import nvtx_range
 from tritonopt.ops import ef_topk, fosi_step, lowrank_ef, lowrank_frobenius_products, sgd_momentum_step
 from tritonopt.ops import sparse_lcg, sparse_sp
 from tritonopt.optim._blocks import kept_per_block
@@ -486,6 +488,7 @@ def fosi_update(
     g1_velocity: Optional[torch.Tensor] = None,
     g1_decay: float = 0.0,
     g1_gain: float = 1.0,
+    prepared: bool = False,
 ) -> None:
     """One FOSI update of the flat ``weights`` (``[n]``), in place: see the section comment above.
 
@@ -497,15 +500,19 @@ def fosi_update(
     ``[0, n)``); ``step`` the base optimizer's step count including this one.
     Decoupled weight decay is applied first. float32 weights with uniform
     slices run the fused op in one call; otherwise the same arithmetic runs in
-    torch, slice by slice for the base step.
+    torch, slice by slice for the base step. ``prepared``: for a caller whose buffers are its
+    own, checked when it built them (an optimizer's step), the fused op runs prepared
+    (:meth:`~tritonopt._ops._registry.Op.prepared`): no argument checks, the same arithmetic.
     """
     fosi_apply_weight_decay(weights, segments)
     if weights.dtype == torch.float32 and fosi_uniform(segments):
         h = segments[0]
         scale = newton_scale if h.newton_factor == 1.0 else newton_scale * h.newton_factor
-        fosi_step(weights, grad, basis, scale, base=base, state_a=first_moment, state_b=second_moment, lr=h.lr,
-                  beta1=h.beta1, beta2=h.beta2, eps=h.eps, step=step, base_scale=base_scale,
-                  g1_velocity=g1_velocity, g1_decay=g1_decay, g1_gain=g1_gain)
+        step_op = fosi_step.prepared(weights.device) if prepared else fosi_step
+        with nvtx_range("tritonopt/fosi/update") if prepared else contextlib.nullcontext():
+            step_op(weights, grad, basis, scale, base=base, state_a=first_moment, state_b=second_moment, lr=h.lr,
+                    beta1=h.beta1, beta2=h.beta2, eps=h.eps, step=step, base_scale=base_scale,
+                    g1_velocity=g1_velocity, g1_decay=g1_decay, g1_gain=g1_gain)
         return
     g = grad.to(weights.dtype)
     coef = basis @ g
