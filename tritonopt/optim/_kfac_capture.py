@@ -188,10 +188,11 @@ class KFACStatisticsCapture:
         if self._loss_scale_checks == _LOSS_SCALE_WATCH_STEPS:
             for layer in self.layers:
                 layer.g_sum = None
-        # Float32 norms in one batched call are far within the tolerance; a norm that overflows
-        # float32 gives a ratio that is not finite, and that layer is left out.
-        norms = torch.stack(torch._foreach_norm([s for s, _ in pairs] + [b for _, b in pairs])).to(torch.float64)
-        ratios = [r for r in (norms[: len(pairs)] / norms[len(pairs) :]).tolist() if math.isfinite(r) and r > 0]
+        # Float32 norms are far within the tolerance, and the ratios are taken on the host (a few
+        # calls fewer); a norm that overflows float32 gives a ratio that is not finite, left out.
+        norms = torch.stack([torch.linalg.vector_norm(t) for pair in pairs for t in pair]).tolist()
+        ratios = [seen / applied if applied else math.inf for seen, applied in zip(norms[::2], norms[1::2])]
+        ratios = [r for r in ratios if math.isfinite(r) and r > 0]
         if not ratios:
             return
         exponents = [round(math.log2(r)) for r in ratios]
