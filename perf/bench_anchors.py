@@ -24,6 +24,7 @@ and ``cnn`` (the CPU default, one thread: the demo's MLP and a CIFAR-size small 
 ``resnet18`` (added by default on a GPU), ``shrunk`` (``--smoke``).
 
     python -m perf.bench_anchors [--smoke] [--anchors DIR] [--sizes demo cnn resnet18] [--repeats 7] [--profile 8]
+                                 [--only KFAC+SGD FOSI-Adam S-MFAC MFAC]
 
 ``--profile N`` then runs each side's step under ``cProfile`` and prints, per pair, the ``N``
 functions where each step spends the most of its own time (host time: on a GPU the kernels run
@@ -61,6 +62,8 @@ from perf.bench_optimizer_step import SIZES, Entry, Size, measure
 
 NAME = "anchors"
 DEFAULT_ANCHORS = harness.REPO_ROOT / ".anchors"
+# The pair names of perf/anchors/, for --only.
+ALGORITHMS = ("KFAC+SGD", "FOSI-Adam", "S-MFAC", "MFAC")
 AGREEMENT_BATCH_SEED = 1
 
 
@@ -204,6 +207,9 @@ def parser():
                    help="default: demo, cnn and resnet18 on a GPU, demo and cnn on the CPU")
     p.add_argument("--repeats", type=harness.positive_int, default=7,
                    help="alternating measurements of each side; the median is reported (default 7)")
+    p.add_argument("--only", nargs="+", choices=sorted(ALGORITHMS), default=None, metavar="ALGORITHM",
+                   help=f"only these pairs ({', '.join(sorted(ALGORITHMS))}; default: all), e.g. to fit the "
+                        "ResNet-18 size into a short GPU loan")
     p.add_argument("--profile", type=harness.positive_int, default=None, metavar="N",
                    help="also print each side's N costliest functions per step (cProfile, own time)")
     return p
@@ -236,6 +242,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("error: an anchor's checkout does not import, nothing measured\n"
                   + "\n".join(broken), file=sys.stderr)
             return 1
+        if args.only:
+            pairs = [pair for pair in pairs if pair.name in args.only]
         with harness.progress(len(pairs), f"{size_name}", unit="pair") as bar:
             for pair in pairs:
                 bar.set_description(f"{size_name}: {pair.name}")

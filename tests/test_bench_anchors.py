@@ -177,3 +177,21 @@ def test_smoke_run_with_the_checkouts(tmp_path):
     assert {row["algorithm"] for row in rows} == PAIRS, output_of(result)
     for row in rows:
         assert float(row["step_ratio_min"]) <= float(row["step_ratio_max"]), row
+
+
+def test_only_names_the_pairs_the_anchors_define():
+    """--only takes exactly the pair names the anchor modules give, and refuses others."""
+    assert set(bench.ALGORITHMS) == PAIRS
+    assert bench.parser().parse_args(["--only", "KFAC+SGD"]).only == ["KFAC+SGD"]
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(["--only", "K-FAC"])
+
+
+@pytest.mark.smoke
+def test_smoke_run_of_one_pair(tmp_path):
+    if not (ANCHORS / "kfac-pytorch").is_dir():
+        pytest.skip(f"no checkout of kfac-pytorch under {ANCHORS} (`make anchors`)")
+    result = run_script("bench_anchors", "--smoke", "--anchors", str(ANCHORS), "--out", str(tmp_path),
+                        "--only", "KFAC+SGD")
+    assert result.returncode == 0, output_of(result)
+    assert {row["algorithm"] for row in read_csv(tmp_path / "anchors.csv")} == {"KFAC+SGD"}, output_of(result)
