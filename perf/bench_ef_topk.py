@@ -15,7 +15,7 @@ Without a CUDA device the script says so and times the reference path on shapes 
 2^20 elements. Results: ``ef_topk.csv`` and ``ef_topk.png`` (GB/s against elements).
 
     python -m perf.bench_ef_topk [--smoke] [--nvtx] [--dtype fp32|fp16|bf16]
-                                 [--block-sizes 4096 16384] [--density 0.01] [--out DIR]
+                                 [--block-sizes 4096 16384 1048576] [--density 0.01] [--out DIR]
     nsys profile -t nvtx,cuda python -m perf.bench_ef_topk --nvtx
 """
 
@@ -37,7 +37,7 @@ from tritonopt.kernels.ef_topk import ef_topk_reference, ef_topk_triton
 
 OP = "ef_topk"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-DEFAULT_BLOCK_SIZES = (4096, 16384)
+DEFAULT_BLOCK_SIZES = (4096, 16384, 1 << 20)  # the last: one block per million entries, the split path
 ELEMENTS_LOG2_RANGE = (20, 26)
 CPU_MAX_ELEMENTS_LOG2 = 20  # the CPU paths are slow and not the subject
 SMOKE_SHAPE = (4, 1024)

@@ -132,30 +132,54 @@ def test_contract_holds(backend, num_blocks, block_size, k_fraction, grad_kind, 
 
 
 @needs_triton
-@pytest.mark.parametrize("kernel", ["resident", "streaming"])
+@pytest.mark.parametrize("kernel", ["resident", "split"])
 @given(
     num_blocks=st.integers(1, 3),
     tile_log2=st.integers(3, 5),  # 8 to 32: several tiles a row and a partial last one, as at any size
-    tiles=st.floats(1.01, 4.0),
+    tiles=st.floats(1.01, 9.0),
+    chunk_tiles=st.integers(1, 3),  # the split path: several programs a row, a partial last chunk
     k_fraction=st.floats(0.0, 1.0),
     kind=st.sampled_from(KINDS),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_tiled_kernels_match_reference(kernel, num_blocks, tile_log2, tiles, k_fraction, kind, seed):
+def test_tiled_kernels_match_reference(kernel, num_blocks, tile_log2, tiles, chunk_tiles, k_fraction, kind, seed):
     """Rows longer than one tile take the resident-keys kernel, or past ``max_resident`` the
-    streaming kernel; force each with a small tile."""
+    split path (a radix select over several programs a row); force each with a small tile."""
     tile = 2**tile_log2
     block_size = int(tile * tiles)
     k = max(1, min(block_size, round(k_fraction * block_size)))
     grad = make_row_data(kind, (num_blocks, block_size), seed)
     error = make_row_data("ties", (num_blocks, block_size), seed + 3)
     error_triton, error_reference = error.clone(), error.clone()
-    max_resident = 4 * tile if kernel == "resident" else tile
-    idx_t, val_t = run_kernel(grad, error_triton, k, max_tile=tile, max_resident=max_resident)
+    max_resident = 16 * tile if kernel == "resident" else tile
+    idx_t, val_t = run_kernel(grad, error_triton, k, max_tile=tile, max_resident=max_resident,
+                              split_chunk=chunk_tiles * tile)
     idx_r, val_r = ef_topk_reference(grad, error_reference, k)
     assert torch.equal(idx_t, idx_r)
     assert torch.equal(val_t.view(torch.int32), val_r.view(torch.int32))
     assert torch.equal(error_triton.view(torch.int32), error_reference.view(torch.int32))
+
+
+@needs_triton
+def test_split_path_selects_across_many_chunks():
+    """Rows over 20 programs each: one with four magnitudes, NaN and -inf, whose k-th largest is
+    shared by entries in every chunk, and one of distinct magnitudes. The ties kept are the
+    lowest positions, whichever chunk holds them."""
+    tile, chunk_tiles, chunks = 8, 2, 20
+    block_size = tile * chunk_tiles * chunks - 5
+    gen = torch.Generator().manual_seed(11)
+    grad = torch.stack([torch.randint(-2, 2, (block_size,), generator=gen).float(),
+                        torch.randn(block_size, generator=gen)])
+    grad[0, ::37] = float("nan")
+    grad[0, 5::29] = float("-inf")
+    for k in (block_size // 3, block_size - 1):
+        error_triton, error_reference = torch.zeros_like(grad), torch.zeros_like(grad)
+        idx_t, val_t = run_kernel(grad, error_triton, k, max_tile=tile, max_resident=tile,
+                                  split_chunk=chunk_tiles * tile)
+        idx_r, val_r = ef_topk_reference(grad, error_reference, k)
+        assert torch.equal(idx_t, idx_r), k
+        assert torch.equal(val_t.view(torch.int32), val_r.view(torch.int32)), k
+        assert torch.equal(error_triton.view(torch.int32), error_reference.view(torch.int32)), k
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -260,8 +260,9 @@ def _model_launches(kernels: dict, model_names: list[str]) -> list[_Launch]:
         for model_name in model_names:
             model = perf_autotune.MODELS[model_name]
             n = model.num_params
-            # SparseAdaGrad's default, a middle size, M-FAC/GGT's default, and a long row.
-            for block_size in (4096, 8192, model.block_size, 4 * model.block_size):
+            # SparseAdaGrad's default, a middle size, M-FAC/GGT's default, a long row, and the
+            # whole model as one block (a global Top-k, as EFCP's code takes it).
+            for block_size in (4096, 8192, model.block_size, 4 * model.block_size, n):
                 num_blocks = math.ceil(n / block_size)
                 k = kept_per_block(model.density, None, block_size)
                 label(f"{model_name} ef_topk blocks={num_blocks}x{block_size} k={k}")

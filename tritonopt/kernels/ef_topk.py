@@ -17,20 +17,29 @@ int32, which is monotone in the magnitude for non-negative floats (``-0.0`` and
 ``±inf``, by position among equals). They therefore leave the error buffer as
 early as the budget ``k`` allows and appear in ``val``.
 
-GPU design. One program owns one row. The k-th largest key ``tau`` is found by
-bisection on the integer key range (about 30 counting passes over the keys);
-then every entry with key > tau is selected, plus the first
-``k - count(key > tau)`` entries equal to tau in index order (a prefix sum), and
-an exclusive prefix sum over the selection mask gives each selected entry its
-output slot, which keeps ``idx`` ascending. Every reduction counts integers, so
-the result is the same bits under every launch config. Three kernels by row
-length: up to ``MAX_TILE`` the whole row (values and keys) stays in registers;
-up to ``MAX_RESIDENT`` (SparseMFAC's default 16384) only the keys do: the first
-pass writes ``a`` into ``error``, the bisection runs on the registers, and a
-final pass re-reads ``a`` tile by tile to select (two reads of the row); longer
-rows stream through tiles, re-reading ``a`` (L2-resident) at every bisection
-step. The final pass carries prefix counts across tiles. ``tl.topk``/``tl.sort``
-are avoided: they are slow on large blocks and need power-of-two ``k``.
+GPU design. Rows up to ``MAX_RESIDENT`` entries: one program owns one row. The
+k-th largest key ``tau`` is found by bisection on the integer key range (about
+30 counting passes over the keys held in registers); then every entry with
+key > tau is selected, plus the first ``k - count(key > tau)`` entries equal to
+tau in index order (a prefix sum), and an exclusive prefix sum over the
+selection mask gives each selected entry its output slot, which keeps ``idx``
+ascending. Up to ``MAX_TILE`` the whole row (values and keys) stays in
+registers (the row kernel); up to ``MAX_RESIDENT`` (SparseMFAC's default
+16384) only the keys do: the first pass writes ``a`` into ``error`` and a
+final pass re-reads it tile by tile to select (the resident kernel).
+
+Longer rows, up to a whole model's gradient as one block, are split over many
+programs, ``SPLIT_CHUNK`` entries each, so that one row is not left to one
+streaming multiprocessor. ``tau`` is found by a radix select on the key bits,
+``RADIX_BITS`` at a time from the top: each of ``RADIX_PASSES`` passes adds
+every program's histogram of the next digit, among the entries whose higher
+digits match the prefix chosen so far, into one histogram per row (integer
+atomics), and the next launch reads off the digit holding the k-th largest
+key. A count pass then records each chunk's entries above and at ``tau``, and
+the selection pass starts each chunk's prefix sums from the counts of the
+chunks before it. That is five reads of the row whatever its length, and the
+same bits as the single-program kernels. ``tl.topk``/``tl.sort`` are avoided:
+they are slow on large blocks and need power-of-two ``k``.
 """
 
 from __future__ import annotations
@@ -40,15 +49,25 @@ import contextlib
 import torch
 
 from tritonopt._runtime import autotune, cdiv, jit, next_power_of_2, tl, triton
+from tritonopt.kernels._alignment import alignment, assume_multiple
 
 # Largest row kept whole in registers (values and keys) by the row kernel.
 MAX_TILE = 8192
 # Largest row whose keys stay in registers through the bisection (the resident
 # kernel); its values are re-read once, tile by tile, for the selection.
 MAX_RESIDENT = 16384
-# Tile of the resident kernel's final pass and of the streaming kernel: small,
+# Tile of the resident kernel's final pass and of the split kernels: small,
 # so that the scans of the final pass add few registers to what is live.
 PASS_TILE = 2048
+# Entries of a row each program of the split path reads (a multiple of PASS_TILE).
+SPLIT_CHUNK = 32768
+# The split path's radix select: 3 digits of 11 bits cover the 31 bits of a key.
+RADIX_BITS = 11
+RADIX_BINS = 1 << RADIX_BITS
+RADIX_PASSES = 3
+_TOP_DIGIT_SHIFT = RADIX_BITS * (RADIX_PASSES - 1)
+# Earlier chunks' counts summed per step by a program of the selection pass.
+_COUNTS_TILE = 1024
 # int32 bit pattern of +inf; NaN is ranked one above it.
 _INF_KEY = 0x7F800000
 _NAN_KEY = _INF_KEY + 1
@@ -67,7 +86,7 @@ def _resident_configs():
     return [triton.Config({}, num_warps=w) for w in (16, 8)]
 
 
-def _streaming_configs():
+def _split_configs():
     # 16 warps leave a PASS_TILE of 4 elements per thread and spill on sm_90.
     return [triton.Config({}, num_warps=w) for w in (8, 4)]
 
@@ -141,17 +160,18 @@ def _write_selected(error_ptr, idx_ptr, val_ptr, row, base, k, offs, in_row, a, 
 
 @jit
 def _select_tiles(error_ptr, idx_ptr, val_ptr, row, base, block_size, k, tau, ties_wanted,
-                  TILE: tl.constexpr, NUM_TILES: tl.constexpr):
-    """Final pass over ``a`` (held in ``error``): select, compact, clear the selected entries.
+                  start, ties_before, selected_before, TILE: tl.constexpr, NUM_TILES: tl.constexpr):
+    """Final pass over ``NUM_TILES`` tiles of ``a`` (held in ``error``) from position ``start``:
+    select, compact, clear the selected entries.
 
     Entries with key > tau are selected, plus the first ``ties_wanted`` equal to
-    tau in index order; running counts carry the prefix sums across tiles.
+    tau in index order; the prefix sums start from the row's ``ties_before``
+    entries at tau and ``selected_before`` selected ones ahead of ``start``, and
+    carry across the tiles.
     """
     lanes = tl.arange(0, TILE)
-    ties_before = tau * 0
-    selected_before = tau * 0
     for t in range(NUM_TILES):
-        offs, in_row, a, key = _stored_tile(error_ptr, base, t * TILE, lanes, block_size)
+        offs, in_row, a, key = _stored_tile(error_ptr, base, start + t * TILE, lanes, block_size)
         at_tau = key == tau
         rank_at_tau = ties_before + tl.cumsum(at_tau.to(tl.int32), axis=0)
         selected = (key > tau) | (at_tau & (rank_at_tau <= ties_wanted))
@@ -210,59 +230,139 @@ def _ef_topk_resident_kernel(
     tau, n_above_tau = _kth_largest_key(key, k)
     tl.debug_barrier()  # make `a` visible to every thread of the program
     _select_tiles(error_ptr, idx_ptr, val_ptr, row, base, block_size, k, tau, k - n_above_tau,
-                  TILE, NUM_TILES)
+                  0, tau * 0, tau * 0, TILE, NUM_TILES)
 
 
-@autotune(_streaming_configs, key=["TILE", "NUM_TILES", "rows_bucket"], restore_value=["error_ptr"],
+@jit
+def _radix_threshold(hist_ptr, row, num_blocks, k, PASSES: tl.constexpr, BINS: tl.constexpr,
+                     BITS: tl.constexpr, TOP_SHIFT: tl.constexpr):
+    """``(prefix, wanted)`` after the first ``PASSES`` digits of the radix select of ``row``.
+
+    ``prefix`` holds the digits found so far (the k-th largest key's, lower bits 0);
+    ``wanted`` is how many of the k still come from the keys that share them:
+    ``k - count(keys above every key with that prefix)``. After every digit, ``prefix``
+    is ``tau`` and ``wanted`` the number of entries at ``tau`` to select.
+    """
+    prefix = tl.full([], 0, tl.int32)
+    wanted = tl.full([], 0, tl.int32) + k
+    descending = BINS - 1 - tl.arange(0, BINS)
+    for p in tl.static_range(PASSES):
+        counts = tl.load(hist_ptr + (p * num_blocks + row) * BINS + descending)
+        at_or_above = tl.cumsum(counts, axis=0)  # entries whose digit is >= BINS - 1 - i
+        short = at_or_above < wanted
+        digit = BINS - 1 - tl.sum(short.to(tl.int32), axis=0)
+        wanted -= tl.sum(tl.where(short, counts, 0), axis=0)
+        prefix += digit << (TOP_SHIFT - p * BITS)
+    return prefix, wanted
+
+
+@jit
+def _split_position(num_chunks):
+    """``(row, chunk)`` of this program of the split path (one flat grid: rows may outnumber 65535)."""
+    program = tl.program_id(0).to(tl.int64)
+    return program // num_chunks, program % num_chunks
+
+
+@autotune(_split_configs, key=["TILE", "CHUNK_TILES", "PASS", "programs_bucket"],
+          restore_value=["error_ptr", "hist_ptr"], prune=_fits_per_thread("TILE", _ROW_ELEMENTS_PER_THREAD))
+@jit
+def _split_histogram_kernel(
+    grad_ptr, error_ptr,  # as the row kernel's; pass 0 writes `a` into error
+    hist_ptr,  # [RADIX_PASSES, num_blocks, BINS] int32, zeroed before pass 0; pass PASS adds its digit's counts
+    num_blocks, block_size, k, num_chunks,  # rows, row length, entries kept per row, programs per row
+    programs_bucket,  # next power of two of num_blocks * num_chunks: autotune key only
+    PASS: tl.constexpr,  # which digit, 0 the most significant
+    TILE: tl.constexpr, CHUNK_TILES: tl.constexpr,  # a program reads CHUNK_TILES tiles of TILE entries
+    BINS: tl.constexpr, BITS: tl.constexpr, TOP_SHIFT: tl.constexpr,  # the radix: BINS = 2^BITS
+    ROW_ALIGN: tl.constexpr,  # a power of two dividing block_size: rows start aligned, loads are vectors
+):
+    block_size = assume_multiple(block_size, ROW_ALIGN)
+    row, chunk = _split_position(num_chunks)
+    base = row * block_size
+    prefix, _ = _radix_threshold(hist_ptr, row, num_blocks, k, PASS, BINS, BITS, TOP_SHIFT)
+    shift: tl.constexpr = TOP_SHIFT - PASS * BITS
+    lanes = tl.arange(0, TILE)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for t in range(CHUNK_TILES):
+        offs = (chunk * CHUNK_TILES + t) * TILE + lanes
+        in_row = offs < block_size
+        if PASS == 0:
+            a = _accumulator(grad_ptr, error_ptr, base, offs, in_row)
+            tl.store(error_ptr + base + offs, a, mask=in_row)
+            counted = in_row
+        else:
+            a = tl.load(error_ptr + base + offs, mask=in_row, other=0.0)
+            counted = in_row & ((_magnitude_key(a) >> (shift + BITS)) == (prefix >> (shift + BITS)))
+        counts += tl.histogram((_magnitude_key(a) >> shift) & (BINS - 1), BINS, mask=counted)
+    bins = tl.arange(0, BINS)
+    tl.atomic_add(hist_ptr + (PASS * num_blocks + row) * BINS + bins, counts, mask=counts > 0, sem="relaxed")
+
+
+@autotune(_split_configs, key=["TILE", "CHUNK_TILES", "programs_bucket"],
           prune=_fits_per_thread("TILE", _ROW_ELEMENTS_PER_THREAD))
 @jit
-def _ef_topk_tiled_kernel(
-    grad_ptr, error_ptr, idx_ptr, val_ptr,  # as the row kernel's; error holds `a` mid-kernel
-    block_size, k, rows_bucket,  # as the row kernel's, with block_size > MAX_RESIDENT
-    TILE: tl.constexpr,  # elements per tile (power of two)
-    NUM_TILES: tl.constexpr,  # cdiv(block_size, TILE)
+def _split_count_kernel(
+    error_ptr, hist_ptr,  # `a` and the finished histograms
+    counts_ptr,  # [2, num_blocks * num_chunks] int32, output: each chunk's entries above tau, then at tau
+    num_blocks, block_size, k, num_chunks, programs_bucket,  # as the histogram kernel's
+    TILE: tl.constexpr, CHUNK_TILES: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr,
+    TOP_SHIFT: tl.constexpr, PASSES: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
-    # Rows too long for resident keys: every bisection step re-reads the row (L2).
-    row = tl.program_id(0).to(tl.int64)
+    block_size = assume_multiple(block_size, ROW_ALIGN)
+    row, chunk = _split_position(num_chunks)
     base = row * block_size
+    tau, ties_wanted = _radix_threshold(hist_ptr, row, num_blocks, k, PASSES, BINS, BITS, TOP_SHIFT)
     lanes = tl.arange(0, TILE)
+    above = tau * 0
+    at_tau = tau * 0
+    for t in range(CHUNK_TILES):
+        offs, in_row, a, key = _stored_tile(error_ptr, base, (chunk * CHUNK_TILES + t) * TILE, lanes, block_size)
+        above += tl.sum((key > tau).to(tl.int32), axis=0)
+        at_tau += tl.sum((key == tau).to(tl.int32), axis=0)
+    program = row * num_chunks + chunk
+    tl.store(counts_ptr + program, above)
+    tl.store(counts_ptr + num_blocks * num_chunks + program, at_tau)
 
-    # Pass 1: a = error + grad, written back into error; largest key.
-    max_key = tl.max(lanes * 0 - 1, axis=0)
-    for t in range(NUM_TILES):
-        offs = t * TILE + lanes
-        in_row = offs < block_size
-        a = _accumulator(grad_ptr, error_ptr, base, offs, in_row)
-        tl.store(error_ptr + base + offs, a, mask=in_row)
-        key = tl.where(in_row, _magnitude_key(a), -1)
-        max_key = tl.maximum(max_key, tl.max(key, axis=0))
-    tl.debug_barrier()  # make `a` visible to every thread of the program
 
-    hi = max_key + 1
-    lo = hi * 0
-    n_above_hi = hi * 0
-    while lo + 1 < hi:
-        mid = lo + (hi - lo) // 2
-        count = hi * 0
-        for t in range(NUM_TILES):
-            offs, in_row, a, key = _stored_tile(error_ptr, base, t * TILE, lanes, block_size)
-            count += tl.sum((key >= mid).to(tl.int32), axis=0)
-        lo, n_above_hi, hi = _bisect(lo, n_above_hi, hi, mid, count, k)
-    tl.debug_barrier()
-    _select_tiles(error_ptr, idx_ptr, val_ptr, row, base, block_size, k, lo, k - n_above_hi,
-                  TILE, NUM_TILES)
+@autotune(_split_configs, key=["TILE", "CHUNK_TILES", "programs_bucket"], restore_value=["error_ptr"],
+          prune=_fits_per_thread("TILE", _ROW_ELEMENTS_PER_THREAD))
+@jit
+def _split_select_kernel(
+    error_ptr, idx_ptr, val_ptr,  # as the row kernel's; error holds `a`
+    hist_ptr, counts_ptr,  # the finished histograms and the count pass's counts
+    num_blocks, block_size, k, num_chunks, programs_bucket,  # as the histogram kernel's
+    TILE: tl.constexpr, CHUNK_TILES: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr,
+    TOP_SHIFT: tl.constexpr, PASSES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    COUNTS_TILE: tl.constexpr,  # earlier chunks' counts summed per step
+):
+    block_size = assume_multiple(block_size, ROW_ALIGN)
+    row, chunk = _split_position(num_chunks)
+    tau, ties_wanted = _radix_threshold(hist_ptr, row, num_blocks, k, PASSES, BINS, BITS, TOP_SHIFT)
+    # The row's entries above and at tau ahead of this chunk.
+    above_before = tau * 0
+    ties_before = tau * 0
+    first = row * num_chunks
+    lanes = tl.arange(0, COUNTS_TILE)
+    for earlier in range(0, chunk, COUNTS_TILE):
+        ahead = earlier + lanes < chunk
+        above_before += tl.sum(tl.load(counts_ptr + first + earlier + lanes, mask=ahead, other=0), axis=0)
+        ties_before += tl.sum(tl.load(counts_ptr + num_blocks * num_chunks + first + earlier + lanes,
+                                      mask=ahead, other=0), axis=0)
+    selected_before = above_before + tl.minimum(ties_before, ties_wanted)
+    _select_tiles(error_ptr, idx_ptr, val_ptr, row, row * block_size, block_size, k, tau, ties_wanted,
+                  chunk * (CHUNK_TILES * TILE), ties_before, selected_before, TILE, CHUNK_TILES)
 
 
 def ef_topk_triton(
     grad: torch.Tensor, error: torch.Tensor, k: int, *, max_tile: int = MAX_TILE,
-    max_resident: int = MAX_RESIDENT,
+    max_resident: int = MAX_RESIDENT, split_chunk: int = SPLIT_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the Triton kernel. Arguments must already be validated (see ``tritonopt.ops``).
+    """Launch the Triton kernels. Arguments must already be validated (see ``tritonopt.ops``).
 
     ``max_tile`` (a power of two) is the longest row kept whole in registers
-    (the row kernel) and caps the tile of the other two; rows up to ``max_resident``
-    keep their keys in registers (read twice), longer rows stream through tiles
-    (read once per bisection step).
+    (the row kernel) and caps the tile of the others; rows up to ``max_resident``
+    keep their keys in registers (read twice); longer rows are split over
+    programs of ``split_chunk`` entries (rounded to whole tiles).
     """
     num_blocks, block_size = grad.shape
     indices = torch.empty((num_blocks, k), dtype=torch.int32, device=grad.device)
@@ -280,9 +380,26 @@ def ef_topk_triton(
                 *args, BLOCK=next_power_of_2(block_size), TILE=tile, NUM_TILES=cdiv(block_size, tile),
             )
         else:
-            tile = min(max_tile, PASS_TILE)
-            _ef_topk_tiled_kernel[(num_blocks,)](*args, TILE=tile, NUM_TILES=cdiv(block_size, tile))
+            _split_rows(grad, error, indices, values, k, tile=min(max_tile, PASS_TILE), chunk=split_chunk)
     return indices, values
+
+
+def _split_rows(grad, error, indices, values, k, *, tile: int, chunk: int) -> None:
+    """The split path: each row over ``cdiv(block_size, chunk)`` programs (see the module's notes)."""
+    num_blocks, block_size = grad.shape
+    chunk_tiles = max(1, chunk // tile)
+    num_chunks = cdiv(block_size, chunk_tiles * tile)
+    programs = num_blocks * num_chunks
+    histograms = torch.zeros((RADIX_PASSES, num_blocks, RADIX_BINS), dtype=torch.int32, device=grad.device)
+    counts = torch.empty((2, programs), dtype=torch.int32, device=grad.device)
+    shape = (num_blocks, block_size, k, num_chunks, next_power_of_2(programs))
+    radix = dict(TILE=tile, CHUNK_TILES=chunk_tiles, BINS=RADIX_BINS, BITS=RADIX_BITS, TOP_SHIFT=_TOP_DIGIT_SHIFT,
+                 ROW_ALIGN=alignment(block_size))
+    for digit in range(RADIX_PASSES):
+        _split_histogram_kernel[(programs,)](grad, error, histograms, *shape, PASS=digit, **radix)
+    _split_count_kernel[(programs,)](error, histograms, counts, *shape, PASSES=RADIX_PASSES, **radix)
+    _split_select_kernel[(programs,)](error, indices, values, histograms, counts, *shape, PASSES=RADIX_PASSES,
+                                      COUNTS_TILE=_COUNTS_TILE, **radix)
 
 
 def magnitude_key(a: torch.Tensor) -> torch.Tensor:
