@@ -15,6 +15,9 @@ Floor: ``m * k_total * (4 + 4) + 4 d`` bytes (SP and LCG; int32 indices, fp32 va
 ``2 * k_total * (4 + 4)`` (insertion) over the measured bandwidth. ``SparseMFAC.step()`` and
 ``MFAC.step()`` at ResNet-18 size are timed by ``perf/bench_optimizer_step.py``.
 
+``--block-size 16777216`` times one block as long as a whole model's gradient (a global
+Top-k), which LCG spreads over slices of the block.
+
 Without a CUDA device the script says so and times the reference path on small shapes
 (m = 32, d <= 2^20). Results: ``sparse_ring.csv`` and ``sparse_ring.png``.
 
@@ -98,9 +101,10 @@ def shape_cases(num_blocks, m, k, block_size, device) -> list[harness.Case]:
             public=ready(lambda: tritonopt.ops.sparse_sp(indices, values, x)),
             torch=ready(torch_sp)),
         "sparse_lcg": dict(
-            triton=ready(lambda: kernels.sparse_lcg_triton(indices, values, w, block_size)),
-            reference=ready(lambda: kernels.sparse_lcg_reference(indices, values, w, block_size)),
-            public=ready(lambda: tritonopt.ops.sparse_lcg(indices, values, w, block_size)),
+            # The rows are ascending, as the optimizers' rings are and promise (long blocks are sliced).
+            triton=ready(lambda: kernels.sparse_lcg_triton(indices, values, w, block_size, True)),
+            reference=ready(lambda: kernels.sparse_lcg_reference(indices, values, w, block_size, True)),
+            public=ready(lambda: tritonopt.ops.sparse_lcg(indices, values, w, block_size, ascending=True)),
             torch=ready(torch_lcg)),
         "sparse_ring_insert": dict(
             triton=ready(lambda: kernels.sparse_ring_insert_triton(indices, values, INSERT_SLOT, new_i, new_v)),
@@ -127,7 +131,8 @@ def cases(args, context: harness.BenchContext):
         m = args.m or (1024 if context.on_gpu else 32)
         block_size = args.block_size
         top = 24 if context.on_gpu else 20
-        shapes = [(max(1, (1 << e) // block_size), block_size) for e in range(20, top + 1, 2)]
+        # A block longer than 2^20 (a whole model as one block) gives one shape more than once.
+        shapes = list(dict.fromkeys((max(1, (1 << e) // block_size), block_size) for e in range(20, top + 1, 2)))
     k = harness.entries_per_block(args.density, block_size)
     print(f"m = {m}, density {args.density:g} (k = {k} per block of {block_size}); floor bytes = "
           "m * k_total * 8 + 4 d (SP, LCG), 2 * k_total * 8 (insertion)")

@@ -104,6 +104,14 @@ SCALAR_LOAD_EXCEPTIONS = (
                         "row i of the packed triangle starts at i * dim - i * (i - 1) / 2, at every alignment, "
                         "and half of each output row is a column of the triangle, one entry per packed row",
                         lambda arguments: True),
+    ScalarLoadException("sparse_ring._lcg_slice_bounds_kernel",
+                        "a binary search: each lane reads the middle entry of its own row's open range, one "
+                        "index per row per step (log2 k steps), not a stream",
+                        lambda arguments: True),
+    ScalarLoadException("sparse_ring._sliced_lcg_kernel",
+                        "each row's share of a slice starts at whichever entry the search found, at every "
+                        "alignment; a warp's loads of consecutive entries still coalesce",
+                        lambda arguments: True),
     ScalarLoadException("sparse_ring._sparse_lcg_kernel", _THREAD_SHARE_WITHIN_A_WORD,
                         _thread_share_within_a_word("idx_ptr", "val_ptr")),
     ScalarLoadException("sparse_ring._ring_insert_kernel", _THREAD_SHARE_WITHIN_A_WORD,
@@ -282,6 +290,12 @@ def _model_launches(kernels: dict, model_names: list[str]) -> list[_Launch]:
                     sparse_ring.sparse_ring_insert_triton(
                         indices, values, 1, empty(num_blocks, k, dtype=index_dtype), empty(num_blocks, k)
                     )
+            # The whole model as one block (a global Top-k): the sliced LCG.
+            k_global = kept_per_block(model.density, None, n)
+            label(f"{model_name} ring blocks=1 of {n} m={m} k={k_global}")
+            for values_dtype in (torch.float32, torch.bfloat16):
+                sparse_ring.sparse_lcg_triton(empty(1, m, k_global, dtype=torch.int32),
+                                              empty(1, m, k_global, dtype=values_dtype), empty(m), n, True)
 
             for layer in dict.fromkeys(model.layers):
                 g, a, rows = layer.g, layer.a, layer.rows

@@ -142,6 +142,51 @@ def test_k_longer_than_one_chunk():
     torch.testing.assert_close(combination.double().view(-1), w.double() @ dense, **tolerance(values))
 
 
+@needs_triton
+@given(
+    num_blocks=st.integers(1, 2),
+    m=st.integers(1, 5),
+    slice_log2=st.integers(3, 5),  # 8 to 32 positions a program
+    slices=st.floats(1.0, 6.0),  # several programs a block, a partial last one
+    keep=st.floats(0.0, 1.0),
+    fill=st.floats(0.0, 1.0),
+    values_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    outside=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=25)
+def test_sliced_lcg_adds_rows_in_slot_order_like_the_cpu_reference(num_blocks, m, slice_log2, slices, keep, fill,
+                                                                  values_dtype, outside, seed):
+    """Ascending rows over a long block: each slice's program adds its share of every row, in slot
+    order, so every position sees the reference's additions in the reference's order."""
+    from conftest import backend_device
+
+    from tritonopt.kernels.sparse_ring import sparse_lcg_reference, sparse_lcg_triton
+
+    slice_size = 2**slice_log2
+    block_size = max(2, int(slice_size * slices))
+    k = max(1, round(keep * block_size))
+    indices, values = random_ring(num_blocks, m, k, block_size, filled=round(fill * m), values_dtype=values_dtype,
+                                  seed=seed)
+    if outside and k >= 2:  # out-of-block positions, still ascending: before and after the block
+        indices[0, 0, 0], indices[0, 0, -1] = -3, block_size + 2
+    w = torch.randn(m, generator=torch.Generator().manual_seed(seed + 1))
+    target = backend_device("triton")
+    sliced = sparse_lcg_triton(indices.to(target), values.to(target), w.to(target), block_size, True,
+                               slice_size=slice_size, sliced_from=1).cpu()
+    assert torch.equal(sliced, sparse_lcg_reference(indices, values, w, block_size))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lcg_of_ascending_rows_is_the_same_and_the_promise_is_a_bool(backend):
+    indices, values = random_ring(2, 4, 6, 20, filled=3, seed=3)
+    w = torch.randn(4)
+    assert torch.equal(run_on_backend(backend, sparse_lcg, indices, values, w, 20, ascending=True),
+                       run_on_backend(backend, sparse_lcg, indices, values, w, 20))
+    with pytest.raises(TypeError, match="ascending"):
+        sparse_lcg(indices, values, w, 20, ascending="yes")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lcg_is_deterministic(backend):
     indices, values = random_ring(3, 6, 5, 12, filled=6, seed=5)

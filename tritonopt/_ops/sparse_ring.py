@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tritonopt._ops._registry import define_op
-from tritonopt._validation import check_disjoint, check_int, check_same_device, check_tensor
+from tritonopt._validation import check_bool, check_disjoint, check_int, check_same_device, check_tensor
 from tritonopt.kernels import sparse_ring as _kernels
 
 __all__ = ["sparse_sp", "sparse_lcg", "sparse_ring_insert", "densify_ring"]
@@ -63,7 +63,8 @@ sparse_sp.register_backends(triton=_kernels.sparse_sp_triton, reference=_kernels
 
 
 @define_op("sparse_lcg", nvtx="tritonopt/sparse_ring/lcg")
-def sparse_lcg(indices: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, block_size: int) -> torch.Tensor:
+def sparse_lcg(indices: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, block_size: int,
+               ascending: bool = False) -> torch.Tensor:
     """Linear combination of the rows of a sparse ring buffer, as a dense vector.
 
     ``LCG(w)[b, i] = sum_r w[r] * sum_{j: indices[b, r, j] = i} values[b, r, j]``,
@@ -73,6 +74,12 @@ def sparse_lcg(indices: torch.Tensor, values: torch.Tensor, weights: torch.Tenso
         indices, values: the buffer, ``[num_blocks, m, k]`` (see :func:`sparse_sp`).
         weights: ``[m]`` float32, one per row.
         block_size: length of each block, ``>= k``.
+        ascending: the caller's promise that within every block of every row the
+            positions are in non-decreasing order, as :func:`ef_topk` writes them (rows
+            never written, all index 0, qualify). It lets the Triton path spread a long
+            block over many programs (a whole model as one block, 65536 positions or
+            more); the result is the same. It is not checked, as that would read the
+            whole buffer: with rows out of order the result is wrong.
 
     Returns:
         ``[num_blocks, block_size]`` float32. The Triton path adds rows in slot
@@ -83,10 +90,11 @@ def sparse_lcg(indices: torch.Tensor, values: torch.Tensor, weights: torch.Tenso
     check_tensor("weights", weights, shape=(indices.shape[1],), dtypes=(torch.float32,), contiguous=True)
     check_same_device("indices", indices, weights=weights)
     check_int("block_size", block_size, low=max(1, indices.shape[2]))
+    check_bool("ascending", ascending)
 
 
 @sparse_lcg.register_fake
-def _(indices, values, weights, block_size):
+def _(indices, values, weights, block_size, ascending=False):
     return values.new_empty((indices.shape[0], block_size), dtype=torch.float32)
 
 

@@ -47,6 +47,14 @@ GPU design.
   reference's: the result is the same bits as the CPU reference.
   The output block (at most a few tens of KB) stays in L1/L2, so HBM sees one
   write of ``4 * block_size`` bytes per block.
+* LCG over few long blocks (a whole model as one block, as a global Top-k makes
+  it): one program per block would leave the GPU idle, so when the caller
+  promises that every row lists its positions in ascending order (as
+  ``ef_topk`` writes them), each block is cut into slices of ``LCG_SLICE``
+  positions, one program each. A first kernel finds, by a binary search of
+  every row, where each slice's entries start; each slice's program then adds
+  its part of every row in slot order, as above. Each output element sees the
+  same additions in the same order: the same bits.
 * Values are upcast to float32 right after the load; everything accumulates in
   float32.
 * Rows are ``k`` entries apart: the launchers pass the largest power of two
@@ -67,6 +75,11 @@ from tritonopt.kernels._alignment import alignment, assume_multiple
 MAX_BLOCK_K = 1024
 # Tile used to zero an output block in LCG.
 ZERO_TILE = 1024
+# Positions per program of the sliced LCG, and the shortest block it is used for.
+LCG_SLICE = 16384
+SLICED_LCG_MIN_BLOCK = 4 * LCG_SLICE
+# Rows searched together by the slice-bounds kernel.
+_BOUNDS_ROWS = 128
 
 
 def _sp_configs():
@@ -179,6 +192,78 @@ def _sparse_lcg_kernel(
         idx, val, w, mask = idx_next, val_next, w_next, mask_next
 
 
+@jit
+def _lcg_slice_bounds_kernel(
+    idx_ptr,  # [num_blocks, m, k] int16 / int32, each row ascending within each block
+    bounds_ptr,  # [num_blocks, num_slices + 1, m] int32, output: first entry of each row at or past the slice start
+    m, k, block_size, num_slices,
+    SLICE: tl.constexpr,  # positions per slice
+    ROWS: tl.constexpr,  # rows searched together
+    SEARCH_STEPS: tl.constexpr,  # bit length of k: enough halvings to pin the bound
+):
+    program = tl.program_id(0).to(tl.int64)
+    blk = program // (num_slices + 1)
+    edge = program % (num_slices + 1)
+    target = tl.minimum(edge * SLICE, block_size).to(tl.int32)  # the last edge is the block's end
+    lanes = tl.arange(0, ROWS)
+    for r0 in range(0, m, ROWS):
+        rows = r0 + lanes
+        row_ok = rows < m
+        row_base = (blk * m + rows.to(tl.int64)) * k
+        lo = tl.zeros([ROWS], dtype=tl.int32)
+        hi = tl.zeros([ROWS], dtype=tl.int32) + k
+        for _ in tl.static_range(SEARCH_STEPS):  # lower bound of target in the row
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            below = tl.load(idx_ptr + row_base + mid, mask=row_ok & open_, other=0).to(tl.int32) < target
+            lo = tl.where(open_ & below, mid + 1, lo)
+            hi = tl.where(open_ & ~below, mid, hi)
+        tl.store(bounds_ptr + (blk * (num_slices + 1) + edge) * m + rows, lo, mask=row_ok)
+
+
+# One writer per output element and a fixed row order: the same bits under every config.
+@autotune(_lcg_configs, key=["m_bucket", "BLOCK_K"])  # rewrites its slice of the output
+@jit
+def _sliced_lcg_kernel(
+    idx_ptr, val_ptr,  # the ring, each row ascending within each block
+    w_ptr,  # [m] fp32
+    bounds_ptr,  # the slice-bounds kernel's output
+    out_ptr,  # [num_blocks, block_size] fp32, output (each program writes its slice)
+    m, k, block_size, num_slices,
+    m_bucket,  # autotune key only
+    SLICE: tl.constexpr, BLOCK_K: tl.constexpr,  # positions per program, entries per step of a row
+    ZERO: tl.constexpr,  # the tile that zeroes the slice
+):
+    program = tl.program_id(0).to(tl.int64)
+    blk = program // num_slices
+    piece = program % num_slices
+    out_base = out_ptr + blk * block_size
+    start = piece * SLICE
+    lanes = tl.arange(0, ZERO)
+    for z0 in range(0, SLICE, ZERO):
+        tl.store(out_base + start + z0 + lanes, tl.zeros([ZERO], dtype=tl.float32),
+                 mask=start + z0 + lanes < block_size)
+    firsts = bounds_ptr + (blk * (num_slices + 1) + piece) * m  # row r's entries in the slice: [firsts[r], ends[r])
+    ends = firsts + m
+    cols = tl.arange(0, BLOCK_K)
+    first, end, w = tl.load(firsts), tl.load(ends), tl.load(w_ptr)
+    tl.debug_barrier()
+    for r in range(0, m):
+        # The next row's bounds and weight are loaded ahead, so that their latency overlaps this row.
+        r_next = tl.minimum(r + 1, m - 1)
+        first_next, end_next, w_next = tl.load(firsts + r_next), tl.load(ends + r_next), tl.load(w_ptr + r_next)
+        row_base = (blk * m + r) * k
+        for c0 in range(first, end, BLOCK_K):
+            c = c0 + cols
+            mask = c < end
+            idx, val = _load_entries(idx_ptr + row_base, val_ptr + row_base, c, mask)
+            current = tl.load(out_base + idx, mask=mask, other=0.0)
+            # Launched without FMA contraction: w * val is rounded before the add, as in the reference.
+            tl.store(out_base + idx, current + w * val, mask=mask)
+        tl.debug_barrier()  # the next row may touch the same positions
+        first, end, w = first_next, end_next, w_next
+
+
 # No restore_value: the insert is idempotent (a rerun writes the same row), and
 # restoring would clone the whole ring buffer on every tuning run.
 @autotune(_lcg_configs, key=["BLOCK_K"])
@@ -236,9 +321,14 @@ def sparse_sp_triton(indices: torch.Tensor, values: torch.Tensor, x: torch.Tenso
 
 
 def sparse_lcg_triton(
-    indices: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, block_size: int
+    indices: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, block_size: int, ascending: bool = False,
+    *, slice_size: int = LCG_SLICE, sliced_from: int = SLICED_LCG_MIN_BLOCK,
 ) -> torch.Tensor:
-    """Launch LCG. Arguments must already be validated; ``weights`` is float32."""
+    """Launch LCG. Arguments must already be validated; ``weights`` is float32.
+
+    Blocks of at least ``sliced_from`` positions whose rows are ``ascending`` are cut
+    into slices of ``slice_size`` positions (a power of two), one program each.
+    """
     num_blocks, m, k = indices.shape
     out = torch.empty((num_blocks, block_size), dtype=torch.float32, device=values.device)
     if num_blocks == 0 or block_size == 0:
@@ -246,11 +336,24 @@ def sparse_lcg_triton(
     if m == 0 or k == 0:
         return out.zero_()
     with _device_guard(values):
-        _sparse_lcg_kernel[(num_blocks,)](
-            indices, values, weights, out, m, k, block_size, next_power_of_2(m),
-            BLOCK_K=_block_k(k), ZERO=min(ZERO_TILE, next_power_of_2(block_size)), K_ALIGN=alignment(k),
-            enable_fp_fusion=False,
-        )
+        if ascending and block_size >= sliced_from:
+            num_slices = cdiv(block_size, slice_size)
+            bounds = torch.empty((num_blocks, num_slices + 1, m), dtype=torch.int32, device=values.device)
+            _lcg_slice_bounds_kernel[(num_blocks * (num_slices + 1),)](
+                indices, bounds, m, k, block_size, num_slices, SLICE=slice_size, ROWS=_BOUNDS_ROWS,
+                SEARCH_STEPS=k.bit_length(),
+            )
+            _sliced_lcg_kernel[(num_blocks * num_slices,)](
+                indices, values, weights, bounds, out, m, k, block_size, num_slices, next_power_of_2(m),
+                SLICE=slice_size, BLOCK_K=_block_k(min(k, slice_size)), ZERO=min(ZERO_TILE, slice_size),
+                enable_fp_fusion=False,
+            )
+        else:
+            _sparse_lcg_kernel[(num_blocks,)](
+                indices, values, weights, out, m, k, block_size, next_power_of_2(m),
+                BLOCK_K=_block_k(k), ZERO=min(ZERO_TILE, next_power_of_2(block_size)), K_ALIGN=alignment(k),
+                enable_fp_fusion=False,
+            )
     return out
 
 
@@ -293,9 +396,10 @@ def sparse_sp_reference(indices: torch.Tensor, values: torch.Tensor, x: torch.Te
 
 
 def sparse_lcg_reference(
-    indices: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, block_size: int
+    indices: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, block_size: int, ascending: bool = False
 ) -> torch.Tensor:
-    """Plain-PyTorch LCG: ``index_add_`` of ``w[r] * V[b, r, :]`` into the dense blocks.
+    """Plain-PyTorch LCG: ``index_add_`` of ``w[r] * V[b, r, :]`` into the dense blocks (in any row order,
+    so ``ascending`` changes nothing here).
 
     On the CPU the entries are added in (block, row, entry) order, the kernel's
     order; on CUDA ``index_add_`` uses atomics and is not bitwise reproducible.

@@ -241,7 +241,7 @@ def sparse_window_products(ring_indices: torch.Tensor, ring_values: torch.Tensor
 def sparse_window_combine(ring_indices: torch.Tensor, ring_values: torch.Tensor, weights: torch.Tensor,
                           block_size: int) -> torch.Tensor:
     """``u = w @ G`` of a sparse ring, as ``[num_blocks, block_size]`` float32."""
-    return sparse_lcg(ring_indices, ring_values, weights.to(torch.float32), block_size)
+    return sparse_lcg(ring_indices, ring_values, weights.to(torch.float32), block_size, ascending=True)
 
 
 def lowrank_window_compress(
