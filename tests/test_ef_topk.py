@@ -140,15 +140,17 @@ def test_contract_holds(backend, num_blocks, block_size, k_fraction, grad_kind, 
     chunk_tiles=st.integers(1, 3),  # the split path: several programs a row, a partial last chunk
     k_fraction=st.floats(0.0, 1.0),
     kind=st.sampled_from(KINDS),
+    grad_dtype=st.sampled_from(GRAD_DTYPES),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_tiled_kernels_match_reference(kernel, num_blocks, tile_log2, tiles, chunk_tiles, k_fraction, kind, seed):
+def test_tiled_kernels_match_reference(kernel, num_blocks, tile_log2, tiles, chunk_tiles, k_fraction, kind,
+                                       grad_dtype, seed):
     """Rows longer than one tile take the resident-keys kernel, or past ``max_resident`` the
     split path (a radix select over several programs a row); force each with a small tile."""
     tile = 2**tile_log2
     block_size = int(tile * tiles)
     k = max(1, min(block_size, round(k_fraction * block_size)))
-    grad = make_row_data(kind, (num_blocks, block_size), seed)
+    grad = make_row_data(kind, (num_blocks, block_size), seed, grad_dtype)
     error = make_row_data("ties", (num_blocks, block_size), seed + 3)
     error_triton, error_reference = error.clone(), error.clone()
     max_resident = 16 * tile if kernel == "resident" else tile

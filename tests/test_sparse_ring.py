@@ -152,11 +152,12 @@ def test_k_longer_than_one_chunk():
     fill=st.floats(0.0, 1.0),
     values_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     outside=st.booleans(),
+    narrow=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=25)
 def test_sliced_lcg_adds_rows_in_slot_order_like_the_cpu_reference(num_blocks, m, slice_log2, slices, keep, fill,
-                                                                  values_dtype, outside, seed):
+                                                                  values_dtype, outside, narrow, seed):
     """Ascending rows over a long block: each slice's program adds its share of every row, in slot
     order, so every position sees the reference's additions in the reference's order."""
     from conftest import backend_device
@@ -170,6 +171,8 @@ def test_sliced_lcg_adds_rows_in_slot_order_like_the_cpu_reference(num_blocks, m
                                   seed=seed)
     if outside and k >= 2:  # out-of-block positions, still ascending: before and after the block
         indices[0, 0, 0], indices[0, 0, -1] = -3, block_size + 2
+    if narrow:  # int16 positions, as the optimizers store them for blocks up to 32768
+        indices = indices.to(torch.int16)
     w = torch.randn(m, generator=torch.Generator().manual_seed(seed + 1))
     target = backend_device("triton")
     sliced = sparse_lcg_triton(indices.to(target), values.to(target), w.to(target), block_size, True,
