@@ -24,12 +24,14 @@ and ``cnn`` (the CPU default, one thread: the demo's MLP and a CIFAR-size small 
 ``resnet18`` (added by default on a GPU), ``shrunk`` (``--smoke``).
 
     python -m perf.bench_anchors [--smoke] [--anchors DIR] [--sizes demo cnn resnet18] [--repeats 7] [--profile 8]
-                                 [--only KFAC+SGD FOSI-Adam S-MFAC MFAC]
+                                 [--kernels 8] [--only KFAC+SGD FOSI-Adam S-MFAC MFAC]
 
 ``--profile N`` then runs each side's step under ``cProfile`` and prints, per pair, the ``N``
 functions where each step spends the most of its own time (host time: on a GPU the kernels run
 asynchronously and show where they are waited for), so the two sides' costs can be compared
-line by line.
+line by line. ``--kernels N`` runs it under torch's profiler instead and prints each side's ``N``
+costliest GPU kernels (on the CPU: operators) with their calls and microseconds per step: how
+many launches a step makes, and which ones take the time.
 
 Results: ``anchors.csv`` in ``perf/results/<device>/``. The exit status is 1 when a pair
 disagrees beyond its bound, or when a checkout that is there does not import.
@@ -154,19 +156,28 @@ def _readable(function: str) -> str:
     return function
 
 
+def _warmed_step(pair: AnchorPair, size: Size, device: torch.device, build):
+    """``(step, x, y)``: one side's step on a fresh model, run past its warm-up as the timing is."""
+    torch.manual_seed(0)
+    model = size.make_model().to(device)
+    x = torch.randn(size.batch, *size.input_shape, device=device)
+    y = torch.randint(0, size.classes, (size.batch,), device=device)
+    step = build(model)
+    for _ in range(step.warmup_steps + 2 * pair.period):
+        step(x, y, torch.nn.functional.cross_entropy)
+    return step, x, y
+
+
+def _sides(pair: AnchorPair):
+    return (pair.name, pair.build_tritonopt), (pair.anchor, pair.build_anchor)
+
+
 def profile_steps(pair: AnchorPair, size: Size, device: torch.device, *, iterations: int,
                   top: int) -> list[list]:
     """Each side's ``top`` functions by own time in its step, ms per step, with the step's total."""
     table = []
-    for side, build in (("tritonopt", pair.build_tritonopt), ("anchor", pair.build_anchor)):
-        torch.manual_seed(0)
-        model = size.make_model().to(device)
-        x = torch.randn(size.batch, *size.input_shape, device=device)
-        y = torch.randint(0, size.classes, (size.batch,), device=device)
-        step = build(model)
-        loss_fn = torch.nn.functional.cross_entropy
-        for _ in range(step.warmup_steps + 2 * pair.period):  # past the warm-up, as the timing is
-            step(x, y, loss_fn)
+    for name, build in _sides(pair):
+        step, x, y = _warmed_step(pair, size, device, build)
         profile = cProfile.Profile()
 
         @contextlib.contextmanager
@@ -179,17 +190,58 @@ def profile_steps(pair: AnchorPair, size: Size, device: torch.device, *, iterati
 
         step.update_timer = profiled
         for _ in range(iterations):
-            step(x, y, loss_fn)
+            step(x, y, torch.nn.functional.cross_entropy)
         stats = pstats.Stats(profile).stats
         total = sum(entry[2] for entry in stats.values()) * 1e3 / iterations
         ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
-        name = pair.name if side == "tritonopt" else pair.anchor
         table.append([name, "(whole step)", "", f"{total:.3f}", "100 %"])
         for (filename, line, function), entry in ranked:
             where = f"{Path(filename).name}:{line}" if line else "(built-in)"
             function = _readable(function)
             own = entry[2] * 1e3 / iterations
             table.append([name, function, where, f"{own:.3f}", f"{100 * own / total:.0f} %"])
+    return table
+
+
+def kernel_steps(pair: AnchorPair, size: Size, device: torch.device, *, iterations: int,
+                 top: int) -> list[list]:
+    """Each side's ``top`` costliest GPU kernels (CPU: operators, own time) in its step.
+
+    Rows ``[side, name, calls per step, us per step, share]``, each side's first the step's
+    totals: every kernel launch (every operator call on the CPU, nested ones included) and
+    their time.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    table = []
+    for name, build in _sides(pair):
+        step, x, y = _warmed_step(pair, size, device, build)
+        calls: dict[str, int] = {}
+        microseconds: dict[str, float] = {}
+
+        @contextlib.contextmanager
+        def profiled():
+            with profile(activities=activities) as profiler:
+                yield
+            for event in profiler.key_averages():
+                if on_gpu != (event.device_type == DeviceType.CUDA):
+                    continue
+                own = event.self_device_time_total if on_gpu else event.self_cpu_time_total
+                calls[event.key] = calls.get(event.key, 0) + event.count
+                microseconds[event.key] = microseconds.get(event.key, 0.0) + own
+
+        step.update_timer = profiled
+        for _ in range(iterations):
+            step(x, y, torch.nn.functional.cross_entropy)
+        total = sum(microseconds.values()) / iterations
+        table.append([name, "(whole step)", f"{sum(calls.values()) / iterations:.1f}", f"{total:.1f}", "100 %"])
+        for key in sorted(microseconds, key=microseconds.get, reverse=True)[:top]:
+            own = microseconds[key] / iterations
+            share = f"{100 * own / total:.0f} %" if total else ""
+            table.append([name, key[:60], f"{calls[key] / iterations:.1f}", f"{own:.1f}", share])
     return table
 
 
@@ -212,6 +264,9 @@ def parser():
                         "ResNet-18 size into a short GPU loan")
     p.add_argument("--profile", type=harness.positive_int, default=None, metavar="N",
                    help="also print each side's N costliest functions per step (cProfile, own time)")
+    p.add_argument("--kernels", type=harness.positive_int, default=None, metavar="N",
+                   help="also print each side's N costliest GPU kernels per step (CPU: operators), with their "
+                        "calls per step (torch's profiler)")
     return p
 
 
@@ -225,7 +280,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sizes = args.sizes or (["demo", "cnn", "resnet18"] if device.type == "cuda" else ["demo", "cnn"])
         repeats, min_iterations = args.repeats, (20 if device.type == "cuda" else 40)
     print(f"{NAME}: device {harness.device_name()}, tritonopt backend {primary}, anchors from {args.anchors}")
-    rows, claims, profiles = [], [], []
+    rows, claims, profiles, kernel_tables = [], [], [], []
     for size_name in sizes:
         size = SIZES[size_name]
         pairs, broken = [], []
@@ -266,6 +321,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     if args.profile:
                         profiles.append((size_name, profile_steps(pair, size, device, iterations=min_iterations,
                                                                   top=args.profile)))
+                    if args.kernels:
+                        kernel_tables.append((size_name, kernel_steps(pair, size, device,
+                                                                      iterations=min_iterations, top=args.kernels)))
                 except torch.cuda.OutOfMemoryError:
                     print(f"skipped timing {pair.name} at {size_name}: out of GPU memory")
                 rows.append(row)
@@ -292,6 +350,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for size_name, table in profiles:
         print(f"\n{size_name}: where each step's time goes (cProfile, own time per step, ms)")
         print(harness.format_table(["side", "function", "where", "ms", "share"], table))
+    what = "GPU kernels" if device.type == "cuda" else "operators"
+    for size_name, table in kernel_tables:
+        print(f"\n{size_name}: each step's {what} (torch's profiler, per step)")
+        print(harness.format_table(["side", what[:-1], "calls", "us", "share"], table))
     print()
     out_dir = harness.output_dir(args.out, harness.device_results_dir(), smoke=args.smoke, name=NAME)
     print(f"wrote {harness.write_results(rows, out_dir, NAME)}")

@@ -62,6 +62,19 @@ def test_the_profile_splits_each_sides_step_and_tells_them_apart():
     assert bench._readable("<built-in method torch.topk>") == "torch.topk"
 
 
+def test_the_kernel_profile_counts_each_sides_calls_and_time():
+    table = bench.kernel_steps(sgd_pair(1.0), TINY, torch.device("cpu"), iterations=3, top=4)
+    sides = {row[0] for row in table}
+    assert sides == {"SGD", "torch"}
+    for side in sides:
+        rows = [row for row in table if row[0] == side]
+        assert rows[0][1] == "(whole step)" and rows[0][4] == "100 %" and len(rows) == 5
+        assert float(rows[0][2]) >= max(float(row[2]) for row in rows[1:]) > 0
+        parts = [float(row[3]) for row in rows[1:]]
+        assert parts == sorted(parts, reverse=True) and sum(parts) <= float(rows[0][3]) + 1e-3
+        assert any(row[1].startswith("aten::") for row in rows[1:])
+
+
 def test_missing_anchors_are_skipped_with_how_to_get_them(tmp_path):
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
