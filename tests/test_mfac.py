@@ -525,6 +525,21 @@ def test_a_checkpoint_saved_for_other_parameters_is_refused(saved_shapes, loaded
                 after["state"][pid][name] == value)
 
 
+def test_a_checkpoint_whose_sparse_ring_is_out_of_order_is_refused():
+    # The ring's rows are Top-k results, ascending: the sparse combination of a long block relies on it.
+    params = make_params(SHAPES)
+    opt = SparseMFAC(params, lr=0.1, ngrads=3, damp=0.1, density=0.25, block_size=16)
+    run_steps(params, opt, gradient_stream(SHAPES, 2))
+    saved = copy.deepcopy(opt.state_dict())
+    ring = next(entry for entry in saved["state"].values() if "ring_indices" in entry)
+    ring["ring_indices"][0, 0] = ring["ring_indices"][0, 0].flip(0)
+    before = flat(params)
+    with pytest.raises(ValueError, match="ring_indices.*ascending"):
+        opt.load_state_dict(saved)
+    assert torch.equal(flat(params), before)
+    opt.load_state_dict(opt.state_dict())  # the optimizer's own rows are ascending
+
+
 def test_a_bfloat16_error_stays_frozen_where_a_parameter_has_no_gradient():
     params = make_params(SHAPES)
     opt = SparseMFAC(params, lr=0.1, ngrads=3, damp=0.1, density=0.25, block_size=16, error_dtype=torch.bfloat16)

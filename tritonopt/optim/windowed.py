@@ -530,13 +530,19 @@ class WindowedPreconditioner(PackedOptimizer):
 
 
 def _check_ring_position(ring: dict) -> None:
-    """While a window fills, the next row to write is the first unwritten one (``ring_slot == ring_filled``)."""
+    """While a window fills, the next row to write is the first unwritten one (``ring_slot == ring_filled``);
+    a sparse ring's rows list their positions in ascending order, as Top-k writes them (the sparse
+    linear combination relies on it to spread a long block over many programs)."""
     m = ring["dots"].shape[0]
     if ring["ring_filled"] < m and ring["ring_slot"] != ring["ring_filled"]:
         raise ValueError(
             f"saved state 'ring_slot' is {ring['ring_slot']} but 'ring_filled' is {ring['ring_filled']} < {m}: "
             "while a window fills, ring_slot must equal ring_filled"
         )
+    indices = ring.get("ring_indices")
+    if indices is not None and indices.shape[-1] > 1 and not bool((indices[..., 1:] >= indices[..., :-1]).all()):
+        raise ValueError("saved state 'ring_indices' has a row whose positions are not in ascending order; "
+                         "every row the optimizer writes is")
 
 
 def _padded_numel(params: Sequence[torch.Tensor], block_size: int, span: Optional[int] = None) -> int:
