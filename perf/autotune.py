@@ -7,7 +7,8 @@ first calls ahead of time, for the shapes a model will produce:
 
 * ``resnet18`` (11,689,512 parameters; batch 32 at 224x224): ``ef_topk`` and the
   sparse ring (SP, LCG, insertion; m = 1024, 1 %, blocks of 16384) over all
-  parameters; K-FAC factor updates and eigenbasis preconditioning per conv/linear
+  parameters, and ``ef_topk`` and LCG with the whole model as one block (a global
+  Top-k); K-FAC factor updates and eigenbasis preconditioning per conv/linear
   layer; ``lowrank_ef`` (rank 4) per unfolded weight; the Lanczos Gram-Schmidt
   step (m = 40) and the FOSI-Adam step (k = 10) over all parameters.
 * ``bert-base`` (110M parameters, rough count; batch 32 x 128 tokens): the same
@@ -156,7 +157,7 @@ def workloads(model: ModelShapes, device: torch.device) -> list[Workload]:
     def sparse_lcg():
         indices, values = ring()
         weights = randn(model.ring_m)
-        return lambda: tritonopt.ops.sparse_lcg(indices, values, weights, model.block_size)
+        return lambda: tritonopt.ops.sparse_lcg(indices, values, weights, model.block_size, ascending=True)
 
     def ring_insert():
         indices, values = ring()
@@ -165,6 +166,25 @@ def workloads(model: ModelShapes, device: torch.device) -> list[Workload]:
 
     out += [Workload("sparse_sp", ring_shape, sparse_sp), Workload("sparse_lcg", ring_shape, sparse_lcg),
             Workload("sparse_ring_insert", ring_shape, ring_insert)]
+
+    # The whole model as one block (a global Top-k): the split Top-k and the sliced LCG.
+    n = model.num_params
+    k_global = bench.entries_per_block(model.density, n)
+
+    def ef_topk_global():
+        grad, error = randn(1, n), torch.zeros(1, n, device=device)
+        return lambda: tritonopt.ops.ef_topk(grad, error, k_global)
+
+    def sparse_lcg_global():
+        stride = n // k_global
+        offsets = torch.randint(0, stride, (1, model.ring_m, k_global), generator=gen, device=device)
+        indices = (torch.arange(k_global, device=device) * stride + offsets).to(torch.int32)
+        values, weights = randn(1, model.ring_m, k_global), randn(model.ring_m)
+        return lambda: tritonopt.ops.sparse_lcg(indices, values, weights, n, ascending=True)
+
+    out += [Workload("ef_topk", {"num_blocks": 1, "block_size": n, "k": k_global}, ef_topk_global),
+            Workload("sparse_lcg", {"num_blocks": 1, "m": model.ring_m, "k": k_global, "block_size": n},
+                     sparse_lcg_global)]
 
     factor_shapes = set()
     for layer in dict.fromkeys(model.layers):  # each distinct shape once
@@ -196,8 +216,6 @@ def workloads(model: ModelShapes, device: torch.device) -> list[Workload]:
             return lambda: tritonopt.ops.lowrank_ef(grad, error, q)
 
         out.append(Workload("lowrank_ef", {"n": layer.g, "p": layer.a, "rank": model.lowrank_rank}, lowrank))
-
-    n = model.num_params
 
     # Timing needs the shapes, not orthonormal rows: a scaled random basis avoids an n x m QR.
     def gram_schmidt():
