@@ -243,8 +243,8 @@ def _radix_threshold(hist_ptr, row, num_blocks, k, PASSES: tl.constexpr, BINS: t
     ``k - count(keys above every key with that prefix)``. After every digit, ``prefix``
     is ``tau`` and ``wanted`` the number of entries at ``tau`` to select.
     """
-    prefix = tl.full([], 0, tl.int32)
-    wanted = tl.full([], 0, tl.int32) + k
+    prefix = tl.program_id(0) * 0  # an int32 scalar, whatever Triton made of k
+    wanted = prefix + k
     descending = BINS - 1 - tl.arange(0, BINS)
     for p in tl.static_range(PASSES):
         counts = tl.load(hist_ptr + (p * num_blocks + row) * BINS + descending)
@@ -280,7 +280,7 @@ def _split_histogram_kernel(
     row, chunk = _split_position(num_chunks)
     base = row * block_size
     prefix, _ = _radix_threshold(hist_ptr, row, num_blocks, k, PASS, BINS, BITS, TOP_SHIFT)
-    shift: tl.constexpr = TOP_SHIFT - PASS * BITS
+    shift = TOP_SHIFT - PASS * BITS
     lanes = tl.arange(0, TILE)
     counts = tl.zeros([BINS], dtype=tl.int32)
     for t in range(CHUNK_TILES):
