@@ -77,7 +77,7 @@ def shape_cases(num_blocks, m, k, block_size, device) -> list[harness.Case]:
     values_rows = values.permute(1, 0, 2).reshape(m, -1).contiguous()
     x = torch.randn((num_blocks, block_size), device=device)
     w = torch.randn(m, device=device)
-    new_i, new_v = indices[:, 0].contiguous(), values[:, 0].contiguous()
+    new_i, new_v = indices[:, 0].clone(), values[:, 0].clone()  # copies even of one block's row
     flat_x = x.view(-1)
 
     def torch_sp():

@@ -180,6 +180,25 @@ def test_sliced_lcg_adds_rows_in_slot_order_like_the_cpu_reference(num_blocks, m
     assert torch.equal(sliced, sparse_lcg_reference(indices, values, w, block_size))
 
 
+@needs_triton
+@pytest.mark.parametrize("weight", [0.5, float("inf"), float("nan")])
+def test_sliced_lcg_skips_rows_never_written_only_where_they_add_nothing(weight):
+    """Rows never written (zeros at position 0) fall into the first slice: skipped there with a finite
+    weight (they add +-0), still added with a non-finite one, whose 0 * inf makes the reference NaN."""
+    from conftest import backend_device
+
+    from tritonopt.kernels.sparse_ring import sparse_lcg_reference, sparse_lcg_triton
+
+    indices, values = random_ring(1, 4, 6, 80, filled=2, seed=4)  # rows 2 and 3 never written
+    w = torch.tensor([0.25, -1.5, weight, 2.0])
+    target = backend_device("triton")
+    sliced = sparse_lcg_triton(indices.to(target), values.to(target), w.to(target), 80, True, slice_size=16,
+                               sliced_from=1).cpu()
+    expected = sparse_lcg_reference(indices, values, w, 80)
+    assert torch.equal(sliced.isnan(), expected.isnan()) and bool(expected[0, 0].isnan()) == (weight != 0.5)
+    assert torch.equal(sliced.nan_to_num(), expected.nan_to_num())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lcg_of_ascending_rows_is_the_same_and_the_promise_is_a_bool(backend):
     indices, values = random_ring(2, 4, 6, 20, filled=3, seed=3)

@@ -75,8 +75,9 @@ def sparse_lcg(indices: torch.Tensor, values: torch.Tensor, weights: torch.Tenso
         weights: ``[m]`` float32, one per row.
         block_size: length of each block, ``>= k``.
         ascending: the caller's promise that within every block of every row the
-            positions are in non-decreasing order, as :func:`ef_topk` writes them (rows
-            never written, all index 0, qualify). It lets the Triton path spread a long
+            positions are in non-decreasing order, as :func:`ef_topk` writes them, and that a
+            row whose positions are all 0 (``k >= 2``) holds only zeros, as a row never
+            written does. It lets the Triton path spread a long
             block over many programs (a whole model as one block, 65536 positions or
             more); the result is the same. It is not checked, as that would read the
             whole buffer: with rows out of order the result is wrong.

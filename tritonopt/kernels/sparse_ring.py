@@ -54,7 +54,9 @@ GPU design.
   positions, one program each. A first kernel finds, by a binary search of
   every row, where each slice's entries start; each slice's program then adds
   its part of every row in slot order, as above. Each output element sees the
-  same additions in the same order: the same bits.
+  same additions in the same order: the same bits. A row never written (all its
+  entries zeros at position 0) falls wholly into the first slice; with a finite
+  weight it adds only zeros, so that slice skips it rather than wait on it.
 * Values are upcast to float32 right after the load; everything accumulates in
   float32.
 * Rows are ``k`` entries apart: the launchers pass the largest power of two
@@ -247,12 +249,19 @@ def _sliced_lcg_kernel(
     ends = firsts + m
     cols = tl.arange(0, BLOCK_K)
     first, end, w = tl.load(firsts), tl.load(ends), tl.load(w_ptr)
+    last = tl.load(idx_ptr + blk * m * k + k - 1)
     tl.debug_barrier()
     for r in range(0, m):
-        # The next row's bounds and weight are loaded ahead, so that their latency overlaps this row.
+        # The next row's bounds, weight and last position are loaded ahead, so that their latency overlaps
+        # this row.
         r_next = tl.minimum(r + 1, m - 1)
         first_next, end_next, w_next = tl.load(firsts + r_next), tl.load(ends + r_next), tl.load(w_ptr + r_next)
+        last_next = tl.load(idx_ptr + (blk * m + r_next) * k + k - 1)
         row_base = (blk * m + r) * k
+        # A row never written (k >= 2 entries, all at position 0: zeros, by the ascending promise) would put
+        # all its k entries in the first slice; with a finite weight it adds +-0 there, which changes nothing.
+        if (k > 1) & (last == 0) & (w * 0.0 == 0.0):
+            end = first
         for c0 in range(first, end, BLOCK_K):
             c = c0 + cols
             mask = c < end
@@ -261,7 +270,7 @@ def _sliced_lcg_kernel(
             # Launched without FMA contraction: w * val is rounded before the add, as in the reference.
             tl.store(out_base + idx, current + w * val, mask=mask)
         tl.debug_barrier()  # the next row may touch the same positions
-        first, end, w = first_next, end_next, w_next
+        first, end, w, last = first_next, end_next, w_next, last_next
 
 
 # No restore_value: the insert is idempotent (a rerun writes the same row), and
