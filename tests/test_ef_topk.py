@@ -9,7 +9,7 @@ from _helpers import BACKENDS, needs_triton
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tritonopt.kernels.ef_topk import ef_topk_reference, ef_topk_triton
+from tritonopt.kernels.ef_topk import SPLIT_MIN_TILE, ef_topk_reference, ef_topk_triton
 from tritonopt.ops import densify_blocks, ef_topk
 
 
@@ -146,8 +146,9 @@ def test_contract_holds(backend, num_blocks, block_size, k_fraction, grad_kind, 
 def test_tiled_kernels_match_reference(kernel, num_blocks, tile_log2, tiles, chunk_tiles, k_fraction, kind,
                                        grad_dtype, seed):
     """Rows longer than one tile take the resident-keys kernel, or past ``max_resident`` the
-    split path (a radix select over several programs a row); force each with a small tile."""
-    tile = 2**tile_log2
+    split path (a radix select over several programs a row); force each with a small tile (the
+    split path's smallest, ``SPLIT_MIN_TILE``)."""
+    tile = 2**tile_log2 if kernel == "resident" else SPLIT_MIN_TILE
     block_size = int(tile * tiles)
     k = max(1, min(block_size, round(k_fraction * block_size)))
     grad = make_row_data(kind, (num_blocks, block_size), seed, grad_dtype)
@@ -167,13 +168,13 @@ def test_split_path_selects_across_many_chunks():
     """Rows over 20 programs each: one with four magnitudes, NaN and -inf, whose k-th largest is
     shared by entries in every chunk, and one of distinct magnitudes. The ties kept are the
     lowest positions, whichever chunk holds them."""
-    tile, chunk_tiles, chunks = 8, 2, 20
+    tile, chunk_tiles, chunks = SPLIT_MIN_TILE, 1, 20
     block_size = tile * chunk_tiles * chunks - 5
     gen = torch.Generator().manual_seed(11)
     grad = torch.stack([torch.randint(-2, 2, (block_size,), generator=gen).float(),
                         torch.randn(block_size, generator=gen)])
-    grad[0, ::37] = float("nan")
-    grad[0, 5::29] = float("-inf")
+    grad[0, ::371] = float("nan")
+    grad[0, 5::293] = float("-inf")
     for k in (block_size // 3, block_size - 1):
         error_triton, error_reference = torch.zeros_like(grad), torch.zeros_like(grad)
         idx_t, val_t = run_kernel(grad, error_triton, k, max_tile=tile, max_resident=tile,

@@ -61,6 +61,10 @@ MAX_RESIDENT = 16384
 PASS_TILE = 2048
 # Entries of a row each program of the split path reads (a multiple of PASS_TILE).
 SPLIT_CHUNK = 32768
+# Smallest tile of the split path: one entry or more per thread at 8 warps. On the GPU,
+# tl.histogram counts an entry once per thread that holds it, so a tile smaller than the
+# program's threads (entries replicated over lanes) was measured to miscount.
+SPLIT_MIN_TILE = 256
 # The split path's radix select: 3 digits of 11 bits cover the 31 bits of a key.
 RADIX_BITS = 11
 RADIX_BINS = 1 << RADIX_BITS
@@ -89,6 +93,12 @@ def _resident_configs():
 def _split_configs():
     # 16 warps leave a PASS_TILE of 4 elements per thread and spill on sm_90.
     return [triton.Config({}, num_warps=w) for w in (8, 4)]
+
+
+def _split_tile_fits(configs, key_args):
+    """Prune: a split-path tile spans every thread at most ``_ROW_ELEMENTS_PER_THREAD`` times and
+    at least once (no entry replicated over threads, which tl.histogram would count twice)."""
+    return [c for c in configs if 32 * c.num_warps <= key_args["TILE"] <= _ROW_ELEMENTS_PER_THREAD * 32 * c.num_warps]
 
 
 def _fits_per_thread(block_name: str, limit: int):
@@ -264,7 +274,7 @@ def _split_position(num_chunks):
 
 
 @autotune(_split_configs, key=["TILE", "CHUNK_TILES", "PASS", "programs_bucket"],
-          restore_value=["error_ptr", "hist_ptr"], prune=_fits_per_thread("TILE", _ROW_ELEMENTS_PER_THREAD))
+          restore_value=["error_ptr", "hist_ptr"], prune=_split_tile_fits)
 @jit
 def _split_histogram_kernel(
     grad_ptr, error_ptr,  # as the row kernel's; pass 0 writes `a` into error
@@ -299,7 +309,7 @@ def _split_histogram_kernel(
 
 
 @autotune(_split_configs, key=["TILE", "CHUNK_TILES", "programs_bucket"],
-          prune=_fits_per_thread("TILE", _ROW_ELEMENTS_PER_THREAD))
+          prune=_split_tile_fits)
 @jit
 def _split_count_kernel(
     error_ptr, hist_ptr,  # `a` and the finished histograms
@@ -325,7 +335,7 @@ def _split_count_kernel(
 
 
 @autotune(_split_configs, key=["TILE", "CHUNK_TILES", "programs_bucket"], restore_value=["error_ptr"],
-          prune=_fits_per_thread("TILE", _ROW_ELEMENTS_PER_THREAD))
+          prune=_split_tile_fits)
 @jit
 def _split_select_kernel(
     error_ptr, idx_ptr, val_ptr,  # as the row kernel's; error holds `a`
@@ -360,9 +370,10 @@ def ef_topk_triton(
     """Launch the Triton kernels. Arguments must already be validated (see ``tritonopt.ops``).
 
     ``max_tile`` (a power of two) is the longest row kept whole in registers
-    (the row kernel) and caps the tile of the others; rows up to ``max_resident``
-    keep their keys in registers (read twice); longer rows are split over
-    programs of ``split_chunk`` entries (rounded to whole tiles).
+    (the row kernel) and caps the tile of the others (the split path's at no less
+    than ``SPLIT_MIN_TILE``); rows up to ``max_resident`` keep their keys in
+    registers (read twice); longer rows are split over programs of
+    ``split_chunk`` entries (rounded to whole tiles).
     """
     num_blocks, block_size = grad.shape
     indices = torch.empty((num_blocks, k), dtype=torch.int32, device=grad.device)
@@ -380,7 +391,8 @@ def ef_topk_triton(
                 *args, BLOCK=next_power_of_2(block_size), TILE=tile, NUM_TILES=cdiv(block_size, tile),
             )
         else:
-            _split_rows(grad, error, indices, values, k, tile=min(max_tile, PASS_TILE), chunk=split_chunk)
+            _split_rows(grad, error, indices, values, k, tile=max(SPLIT_MIN_TILE, min(max_tile, PASS_TILE)),
+                        chunk=split_chunk)
     return indices, values
 
 
