@@ -61,9 +61,9 @@ MAX_RESIDENT = 16384
 PASS_TILE = 2048
 # Entries of a row each program of the split path reads (a multiple of PASS_TILE).
 SPLIT_CHUNK = 32768
-# Smallest tile of the split path: one entry or more per thread at 8 warps. On the GPU,
-# tl.histogram counts an entry once per thread that holds it, so a tile smaller than the
-# program's threads (entries replicated over lanes) was measured to miscount.
+# Smallest tile of the split path: one entry or more per thread at 8 warps. On an H100 the
+# histograms of 8-entry tiles (smaller than a warp: entries replicated over lanes) miscounted,
+# likely each entry once per lane holding it; tiles of 32 to 2048 entries counted right.
 SPLIT_MIN_TILE = 256
 # The split path's radix select: 3 digits of 11 bits cover the 31 bits of a key.
 RADIX_BITS = 11
