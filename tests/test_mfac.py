@@ -525,7 +525,7 @@ def test_a_checkpoint_saved_for_other_parameters_is_refused(saved_shapes, loaded
                 after["state"][pid][name] == value)
 
 
-def test_a_checkpoint_whose_sparse_ring_is_out_of_order_is_refused():
+def test_a_checkpoint_whose_sparse_ring_is_not_as_top_k_writes_it_is_refused():
     # The ring's rows are Top-k results, ascending: the sparse combination of a long block relies on it.
     params = make_params(SHAPES)
     opt = SparseMFAC(params, lr=0.1, ngrads=3, damp=0.1, density=0.25, block_size=16)
@@ -536,6 +536,11 @@ def test_a_checkpoint_whose_sparse_ring_is_out_of_order_is_refused():
     before = flat(params)
     with pytest.raises(ValueError, match="ring_indices.*ascending"):
         opt.load_state_dict(saved)
+    unwritten = copy.deepcopy(opt.state_dict())  # row 2 was never written: zeros at position 0
+    ring = next(entry for entry in unwritten["state"].values() if "ring_values" in entry)
+    ring["ring_values"][0, 2, 0] = 1.0
+    with pytest.raises(ValueError, match="ring_values.*all 0"):
+        opt.load_state_dict(unwritten)
     assert torch.equal(flat(params), before)
     opt.load_state_dict(opt.state_dict())  # the optimizer's own rows are ascending
 

@@ -262,7 +262,7 @@ class WindowedPreconditioner(PackedOptimizer):
             group_counters={"ring_slot": group["ngrads"] - 1, "ring_filled": group["ngrads"]} if first else {},
             dtypes=dtypes,
             step_counters=frozenset({"step"}),
-            group_rule=_check_ring_position if first else None,
+            group_rule=_check_ring if first else None,
         )
 
     # ------------------------------------------------------------------ checkpoints of a dense window
@@ -529,20 +529,29 @@ class WindowedPreconditioner(PackedOptimizer):
         return slot
 
 
-def _check_ring_position(ring: dict) -> None:
-    """While a window fills, the next row to write is the first unwritten one (``ring_slot == ring_filled``);
-    a sparse ring's rows list their positions in ascending order, as Top-k writes them (the sparse
-    linear combination relies on it to spread a long block over many programs)."""
+def _check_ring(ring: dict) -> None:
+    """While a window fills, the next row to write is the first unwritten one (``ring_slot == ring_filled``).
+
+    A sparse ring's rows are as Top-k writes them, which the sparse linear combination relies on to
+    spread a long block over many programs: positions in ascending order, and a row whose positions
+    are all 0 (a row never written) holding zeros.
+    """
     m = ring["dots"].shape[0]
     if ring["ring_filled"] < m and ring["ring_slot"] != ring["ring_filled"]:
         raise ValueError(
             f"saved state 'ring_slot' is {ring['ring_slot']} but 'ring_filled' is {ring['ring_filled']} < {m}: "
             "while a window fills, ring_slot must equal ring_filled"
         )
-    indices = ring.get("ring_indices")
-    if indices is not None and indices.shape[-1] > 1 and not bool((indices[..., 1:] >= indices[..., :-1]).all()):
+    indices, values = ring.get("ring_indices"), ring.get("ring_values")
+    if indices is None or indices.shape[-1] < 2:
+        return
+    if not bool((indices[..., 1:] >= indices[..., :-1]).all()):
         raise ValueError("saved state 'ring_indices' has a row whose positions are not in ascending order; "
                          "every row the optimizer writes is")
+    at_zero_only = indices[..., -1] == 0
+    if values is not None and bool((values[at_zero_only] != 0).any()):
+        raise ValueError("saved state 'ring_values' has nonzero values in a row whose positions are all 0; "
+                         "such a row is one never written, which holds zeros")
 
 
 def _padded_numel(params: Sequence[torch.Tensor], block_size: int, span: Optional[int] = None) -> int:
